@@ -1,0 +1,111 @@
+"""P2PConfig: every `checkpoint_engine.engine_kwargs.p2p.*` option, its default, and its validation.
+
+verl rejects unknown keys directly under `checkpoint_engine`, so the backend's options live under
+`engine_kwargs.p2p`. A wrong key or value raises one P2PConfigError that lists the valid keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from verl_p2p.errors import P2PConfigError
+
+_CHOICES = {
+    "transport": ("mooncake", "nixl"),
+    "protocol": ("rdma", "tcp"),
+    "pause_mode": ("abort", "retract"),
+    "export_mode": ("auto", "pp_local", "filter_full"),
+}
+
+
+@dataclass(frozen=True)
+class P2PConfig:
+    """Options of the p2p backend; the defaults are the production ones (Mooncake over RDMA)."""
+
+    transport: str = "mooncake"
+    protocol: str = "rdma"
+    device_name: str = ""  # RDMA NIC(s): name, comma list, or JSON map GPU->NIC; "" lets Mooncake choose
+    hostname: str | None = None  # address the rollout reaches this source at; None: the node IP
+    p2p_transfer_num_workers: int = 8  # write threads per source (at most one per target engine is used)
+    p2p_transfer_timeout: float = 60.0  # seconds one target's write may take before the push fails
+    bucket_size_mb: int = 512  # one transfer-buffer slot; two slots per source
+    pause_mode: str = "abort"
+    http_timeout: float = 60.0  # seconds per control-plane call
+    api_key: str | None = None  # bearer token of the rollout servers' admin endpoints
+    check_weight_update_equal: bool = False
+    check_weight_update_allow_quant_error: bool = False
+    check_weight_update_skip_list: tuple[str, ...] = ()
+    export_mode: str = "auto"
+    release_buffers_on_save: bool = True
+    extra: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def valid_keys(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls) if f.name != "extra"]
+
+    @classmethod
+    def from_mapping(cls, options: Mapping[str, Any] | None) -> P2PConfig:
+        """Build from `engine_kwargs.p2p` (a dict or an OmegaConf node); raise on any unknown key or bad value."""
+        options = dict(_plain(options) or {})
+        unknown = sorted(set(options) - set(cls.valid_keys()))
+        if unknown:
+            raise P2PConfigError(
+                f"unknown checkpoint_engine.engine_kwargs.p2p key(s) {unknown}; valid keys: {cls.valid_keys()}"
+            )
+        if "check_weight_update_skip_list" in options:
+            skip = options["check_weight_update_skip_list"] or ()
+            if isinstance(skip, str):
+                skip = [s for s in skip.split(",") if s]
+            options["check_weight_update_skip_list"] = tuple(skip)
+        try:
+            config = cls(**options)
+        except TypeError as exc:  # pragma: no cover - guarded by the unknown-key check
+            raise P2PConfigError(f"{exc}; valid keys: {cls.valid_keys()}") from exc
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        errors = []
+        for key, choices in _CHOICES.items():
+            if getattr(self, key) not in choices:
+                errors.append(f"{key}={getattr(self, key)!r} (choose one of {list(choices)})")
+        for key in ("p2p_transfer_num_workers", "bucket_size_mb"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                errors.append(f"{key}={value!r} (a positive integer)")
+        for key in ("p2p_transfer_timeout", "http_timeout"):
+            value = getattr(self, key)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                errors.append(f"{key}={value!r} (a positive number of seconds)")
+        for key in ("check_weight_update_equal", "check_weight_update_allow_quant_error", "release_buffers_on_save"):
+            if not isinstance(getattr(self, key), bool):
+                errors.append(f"{key}={getattr(self, key)!r} (true or false)")
+        if not all(isinstance(s, str) for s in self.check_weight_update_skip_list):
+            errors.append("check_weight_update_skip_list (a list of tensor names)")
+        if errors:
+            raise P2PConfigError(
+                "invalid checkpoint_engine.engine_kwargs.p2p value(s): "
+                + "; ".join(errors)
+                + f"; valid keys: {self.valid_keys()}"
+            )
+
+    @property
+    def bucket_size_bytes(self) -> int:
+        return self.bucket_size_mb << 20
+
+
+def _plain(options: Any) -> Any:
+    """OmegaConf nodes to plain containers without importing omegaconf when it is not needed."""
+    if options is None or isinstance(options, dict):
+        return options
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(options, DictConfig):
+            return OmegaConf.to_container(options, resolve=True)
+    except ImportError:  # pragma: no cover
+        pass
+    return dict(options)

@@ -1,0 +1,125 @@
+"""Tiny HF checkpoints (Qwen2, Qwen3, Qwen3-MoE) for the demo, the tests and the benchmark.
+
+Nothing is downloaded: configs are built in code and tensors generated. `id_encoded=True` gives every
+element of every tensor a distinct integer value (exact in float32 below 2**24), so a misplaced, missing or
+doubled byte in a rollout rank shows up as a wrong number.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+ARCHS = ("qwen2", "qwen3", "qwen3_moe")
+
+_BASE = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    torch_dtype="float32",
+)
+_MOE = dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, norm_topk_prob=True)
+
+
+def tiny_config_dict(arch: str, **overrides) -> dict:
+    """The config.json content of a tiny model of `arch`; `overrides` replace any field."""
+    if arch not in ARCHS:
+        raise ValueError(f"unknown tiny arch {arch!r}; choose one of {ARCHS}")
+    cfg = dict(_BASE)
+    if arch == "qwen2":
+        cfg.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2")
+        cfg.pop("head_dim")
+    elif arch == "qwen3":
+        cfg.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3")
+    else:
+        cfg.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", mlp_only_layers=[], **_MOE)
+    cfg.update(overrides)
+    return cfg
+
+
+def hf_tensor_shapes(cfg: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """Checkpoint names and shapes, in checkpoint order, with per-expert MoE names (what SGLang loads)."""
+    h, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = cfg.get("head_dim") or h // heads
+    moe = cfg["model_type"] == "qwen3_moe"
+    yield "model.embed_tokens.weight", (vocab, h)
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        yield f"{p}.input_layernorm.weight", (h,)
+        yield f"{p}.self_attn.q_proj.weight", (heads * hd, h)
+        yield f"{p}.self_attn.k_proj.weight", (kv * hd, h)
+        yield f"{p}.self_attn.v_proj.weight", (kv * hd, h)
+        if cfg["model_type"] == "qwen2":
+            yield f"{p}.self_attn.q_proj.bias", (heads * hd,)
+            yield f"{p}.self_attn.k_proj.bias", (kv * hd,)
+            yield f"{p}.self_attn.v_proj.bias", (kv * hd,)
+        else:
+            yield f"{p}.self_attn.q_norm.weight", (hd,)
+            yield f"{p}.self_attn.k_norm.weight", (hd,)
+        yield f"{p}.self_attn.o_proj.weight", (h, heads * hd)
+        yield f"{p}.post_attention_layernorm.weight", (h,)
+        sparse = moe and i not in cfg.get("mlp_only_layers", []) and (i + 1) % cfg["decoder_sparse_step"] == 0
+        if sparse:
+            mi = cfg["moe_intermediate_size"]
+            yield f"{p}.mlp.gate.weight", (cfg["num_experts"], h)
+            for e in range(cfg["num_experts"]):
+                yield f"{p}.mlp.experts.{e}.gate_proj.weight", (mi, h)
+                yield f"{p}.mlp.experts.{e}.up_proj.weight", (mi, h)
+                yield f"{p}.mlp.experts.{e}.down_proj.weight", (h, mi)
+        else:
+            yield f"{p}.mlp.gate_proj.weight", (inter, h)
+            yield f"{p}.mlp.up_proj.weight", (inter, h)
+            yield f"{p}.mlp.down_proj.weight", (h, inter)
+    yield "model.norm.weight", (h,)
+    if not cfg.get("tie_word_embeddings"):
+        yield "lm_head.weight", (vocab, h)
+
+
+def tiny_state_dict(cfg: dict, id_encoded: bool = True, seed: int = 0, dtype=torch.float32) -> dict[str, torch.Tensor]:
+    """HF-named tensors for `cfg`: id-encoded (distinct integers) or small random values."""
+    out: dict[str, torch.Tensor] = {}
+    next_id = 1
+    gen = torch.Generator().manual_seed(seed)
+    for name, shape in hf_tensor_shapes(cfg):
+        numel = 1
+        for d in shape:
+            numel *= d
+        if id_encoded:
+            if next_id + numel >= 2**24:
+                raise ValueError("tiny model too large for exact float32 id encoding")
+            t = torch.arange(next_id, next_id + numel, dtype=torch.float32).reshape(shape)
+            next_id += numel
+        else:
+            t = torch.randn(shape, generator=gen, dtype=torch.float32) * 0.02
+        out[name] = t.to(dtype)
+    return out
+
+
+def write_tiny_checkpoint(
+    path: str | os.PathLike, arch: str, id_encoded: bool = True, seed: int = 0, dtype=torch.float32, **overrides
+) -> Path:
+    """Write config.json + model.safetensors of a tiny `arch` model to `path` and return it."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = tiny_config_dict(arch, **overrides)
+    cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
+    tensors = tiny_state_dict(cfg, id_encoded=id_encoded, seed=seed, dtype=dtype)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    (path / "generation_config.json").write_text(json.dumps({"do_sample": False}))
+    return path

@@ -28,7 +28,7 @@ py="$(find_python312)" || { echo "setup: Python 3.12 not found (install it, e.g.
 [ -x .venv/bin/python ] || "$py" -m venv .venv
 pip=(.venv/bin/python -m pip install -q -c constraints.txt)
 stamp=.venv/.verl-p2p-setup
-want="$(cat constraints.txt scripts/setup.sh pyproject.toml | sha256sum | cut -c1-16)"
+want="$(cat constraints.txt scripts/setup.sh | sha256sum | cut -c1-16)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   "${pip[@]}" torch==2.11.0 torchvision==0.26.0
@@ -37,9 +37,13 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     pybase64 msgspec pyzmq IPython sentencepiece compressed-tensors gguf openai partial-json-parser orjson \
     pytest pytest-timeout ruff requests
   "${pip[@]}" --no-deps megatron-bridge==0.6.2 sglang==0.5.12
-  rm -rf .venv/sglang-0.5.23
-  "${pip[@]}" --no-deps --target .venv/sglang-0.5.23 sglang==0.5.23 apache-tvm-ffi
-  "${pip[@]}" --no-deps -e .
+  if [ ! -d .venv/sglang-0.5.23/sglang-0.5.23.dist-info ]; then
+    rm -rf .venv/sglang-0.5.23
+    .venv/bin/python -m pip install -q --no-deps --target .venv/sglang-0.5.23 sglang==0.5.23 apache-tvm-ffi
+  fi
   echo "$want" > "$stamp"
 fi
+# The project itself, editable, every time (cheap): picks up entry-point changes.
+.venv/bin/python -m pip install -q --no-deps --no-build-isolation -e . 2>/dev/null \
+  || .venv/bin/python -m pip install -q --no-deps -e .
 echo "setup: .venv ready ($(.venv/bin/python --version))"

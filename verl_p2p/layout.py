@@ -88,7 +88,10 @@ def layout_from_server_args(
     tp = _int(server_args, "tp_size", 1)
     ep = _int(server_args, "ep_size", 1)
     dp = _int(server_args, "dp_size", 1)
-    attn_dp = dp if server_args.get("enable_dp_attention") else 1
+    # SGLang >= 0.5.22 reports attention DP as `attn_dp_size` (dp_size then counts replicas).
+    attn_dp = _int(server_args, "attn_dp_size", 1)
+    if attn_dp == 1 and server_args.get("enable_dp_attention"):
+        attn_dp = dp
     if not 0 <= rank < tp:
         raise UnsupportedLayoutError(f"rank {rank} is outside tp_size={tp}")
     if tp % attn_dp or tp % ep:

@@ -119,7 +119,9 @@ def write_tiny_checkpoint(
     cfg = tiny_config_dict(arch, **overrides)
     cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
     tensors = tiny_state_dict(cfg, id_encoded=id_encoded, seed=seed, dtype=dtype)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"), metadata={"format": "pt"}
+    )
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
     (path / "generation_config.json").write_text(json.dumps({"do_sample": False}))
     return path

@@ -1,0 +1,86 @@
+"""Compare the replica's bytes for every rank with the witness dumps.
+
+`compare_jobs(spec_paths)` runs under the SGLang installed in this process; run as
+`python tests/support/replica_compare.py SPEC.json...` it prints `RESULTS <json>`. For each job and rank:
+RankReplica.build from the witness's resolved server args, every parameter loaded into a NaN-prefilled
+buffer and compared bit for bit with the witness parameter, then produced again chunk by chunk
+(load_chunk) and compared; finally every HF tensor must land on some rank.
+"""
+
+import json
+import os
+import sys
+
+
+def _compare_job(job: dict, world: int, out: str) -> dict:
+    import sglang
+    import torch
+    from safetensors.torch import load_file
+
+    from verl_p2p.layout import layout_from_server_args
+    from verl_p2p.replica import RankReplica, check_hf_coverage
+    from verl_p2p.tiny import hf_tensor_shapes
+
+    out = os.path.join(out, job["tag"])
+    info = json.load(open(os.path.join(out, "server_info.json")))
+    cfg = json.load(open(os.path.join(job["model_path"], "config.json")))
+    tensors = load_file(os.path.join(job["model_path"], "model.safetensors"))
+    specs = {n: (tuple(s), tensors[n].dtype) for n, s in hf_tensor_shapes(cfg)}
+    problems, plans, checked, chunked = [], [], 0, 0
+    for rank in range(world):
+        witness = torch.load(os.path.join(out, f"rank{rank}.pt"))
+        replica = RankReplica.build(cfg, info, layout_from_server_args(info, rank), specs)
+        plans.append(replica.plan)
+        if list(replica.plan.params) != list(witness):
+            problems.append(f"rank {rank}: names differ {sorted(set(replica.plan.params) ^ set(witness))}")
+            continue
+        for name, p in replica.plan.params.items():
+            expect = witness[name]
+            if (tuple(expect.shape), expect.dtype) != (p.shape, p.dtype):
+                problems.append(f"rank {rank} {name}: {p.shape}/{p.dtype} vs {tuple(expect.shape)}/{expect.dtype}")
+                continue
+            feeds = {f: tensors[f] for f in p.feeds}
+            dst = torch.full((p.numel,), float("nan"), dtype=p.dtype).view(torch.uint8)
+            replica.load(name, feeds, dst)
+            want = expect.contiguous().view(-1).view(torch.uint8)
+            if not torch.equal(dst, want):
+                bad = int((dst.view(p.dtype) != want.view(p.dtype)).sum())
+                problems.append(f"rank {rank} {name}: {bad} of {p.numel} elements differ")
+                continue
+            checked += 1
+            ranges = replica.chunks(name, max(p.nbytes // 3, p.nbytes // max(p.shape[0], 1)))
+            if len(ranges) > 1:
+                again = torch.full((p.numel,), float("nan"), dtype=p.dtype).view(torch.uint8)
+                for off, n in ranges:
+                    replica.load_chunk(name, feeds, off, again[off : off + n])
+                if not torch.equal(again, want):
+                    problems.append(f"rank {rank} {name}: chunked load differs")
+                chunked += 1
+    try:
+        check_hf_coverage(plans)
+    except Exception as e:
+        problems.append(f"coverage: {e}")
+    return {
+        "tag": job["tag"],
+        "version": sglang.__version__,
+        "checked": checked,
+        "chunked": chunked,
+        "problems": problems,
+    }
+
+
+def compare_jobs(spec_paths) -> list[dict]:
+    from verl_p2p.compat import install_cpu_stubs
+
+    install_cpu_stubs()
+    results = []
+    for path in spec_paths:
+        spec = json.load(open(path))
+        for phase in spec["phases"]:
+            for job in phase["jobs"]:
+                results.append(_compare_job(job, phase["world"], spec["out"]))
+    return results
+
+
+if __name__ == "__main__":
+    print("RESULTS " + json.dumps(compare_jobs(sys.argv[1:])))

@@ -1,0 +1,43 @@
+"""Witness process: rank `r` of real gloo worlds builds each job's SGLang model and dumps its parameters.
+
+Run as `python tests/support/replica_witness.py SPEC.json RANK`. SPEC: {"out": DIR, "phases": [{"world": N,
+"init": "tcp://...", "jobs": [{"tag", "model_path", "server_args"}]}]}; a rank joins the phases whose world
+includes it, and the world is torn down between phases. Writes DIR/TAG/rank{r}.pt (parameters) and, from
+rank 0, DIR/TAG/server_info.json (the resolved server args, as `/server_info` would serve them).
+"""
+
+import json
+import os
+import sys
+
+
+def main() -> None:
+    spec = json.load(open(sys.argv[1]))
+    rank = int(sys.argv[2])
+    import torch
+
+    from verl_p2p.loopback.sglang_rank import build_sglang_rank_model
+
+    for phase in spec["phases"]:
+        if rank >= phase["world"]:
+            break
+        for job in phase["jobs"]:
+            out = os.path.join(spec["out"], job["tag"])
+            os.makedirs(out, exist_ok=True)
+            model = build_sglang_rank_model(job["model_path"], job["server_args"], rank, phase["world"], phase["init"])
+            params = {n: p.detach().clone() for n, p in model.named_parameters()}
+            assert all(p.device.type == "cpu" for p in params.values())
+            torch.save(params, os.path.join(out, f"rank{rank}.pt"))
+            if rank == 0:
+                with open(os.path.join(out, "server_info.json"), "w") as f:
+                    json.dump(model.sglang_server_info, f, default=str)
+            del model
+        from sglang.srt.distributed import parallel_state as ps
+
+        torch.distributed.barrier()
+        ps.destroy_model_parallel()
+        ps.destroy_distributed_environment()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,364 @@
+"""verl's trainer and rollout workers on a CPU-only Ray cluster, for the end-to-end test (tests/test_verl_e2e.py).
+
+Real: verl's Worker base, `register`/dispatch decorators, RayWorkerGroup/RayResourcePool, RolloutReplica (base),
+CheckpointEngineWorker (the rollout side's checkpoint-engine worker, built by RolloutReplica.init_colocated),
+HFModelConfig, the checkpoint-engine registry, Megatron-Bridge and megatron-core (the model, its parallel groups,
+the HF load and export), Ray actors.
+
+Stand-ins, each because verl's real class cannot run on a host without CUDA:
+
+- `ActorWorkerStandIn` for verl's `ActorRolloutRefWorker` (role "actor", Megatron strategy): verl's worker builds
+  its MegatronEngine on CUDA. It holds a real Megatron model built through Megatron-Bridge on CPU, wrapped in an
+  instance of verl's real `MegatronEngine` class (made without its CUDA `__init__`), at the attribute path verl
+  uses (`worker.actor.engine`), builds the checkpoint engine and runs `update_weights` exactly as verl does.
+- `ServerAdapterStandIn` for verl's SGLang `ServerAdapter` (imports SGLang's GPU kernels): what the rollout's
+  CheckpointEngineWorker reads of it and what its `update_weights` does after receiving weights.
+- `SGLangServerStandIn` for verl's `SGLangHttpServer` (runs SGLang's server in-process, needs GPUs): the named
+  Ray actor verl's replica and adapter talk to; its control calls go to a loopback engine over HTTP, the way
+  SGLang's tokenizer manager would act on them.
+- `LoopbackReplica` for verl's `SGLangReplica` (its module imports SGLang's server): verl's RolloutReplica base
+  with SGLangReplica's overrides (abort/resume on the first server only) and CPU workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+import ray
+import requests
+import torch
+from omegaconf import OmegaConf
+from verl.single_controller.base import Worker
+from verl.single_controller.base.decorator import Dispatch, register
+from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+from verl.workers.config import CheckpointEngineConfig, RolloutConfig
+from verl.workers.rollout.replica import RolloutMode, RolloutReplica
+
+# ------------------------------------------------------------------------------------------------ trainer side
+
+
+class ActorWorkerStandIn(Worker):
+    """Stand-in for verl's ActorRolloutRefWorker (role "actor", actor.strategy=megatron) on a CPU host.
+
+    `init_model` builds the tiny Megatron model through Megatron-Bridge (gloo groups) and the checkpoint engine
+    the way verl's `init_model` does; `update_weights` and `execute_checkpoint_engine` are verl's bodies for a
+    non-naive backend, with the same dispatch modes.
+    """
+
+    def __init__(self, config: Any, role: str = "actor") -> None:
+        Worker.__init__(self)
+        self.config = config
+        self.role = role
+        self.actor: Any = None
+        self.checkpoint_engine: Any = None
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        from verl.checkpoint_engine import CheckpointEngineRegistry
+        from verl.utils.config import omega_conf_to_dataclass
+        from verl.utils.distributed import initialize_global_process_group_ray
+        from verl.utils.import_utils import import_external_libs
+
+        initialize_global_process_group_ray(timeout_second=300, backend="gloo")
+        self.actor = _cpu_training_worker(self.config)
+
+        # 4. build checkpoint engine (verl 0.9.1 engine_workers.ActorRolloutRefWorker.init_model, verbatim)
+        if "actor" in self.role:
+            checkpoint_engine_config = omega_conf_to_dataclass(self.config.rollout.checkpoint_engine)
+            backend = checkpoint_engine_config.backend
+            bucket_size = checkpoint_engine_config.update_weights_bucket_megabytes << 20
+            engine_kwargs = checkpoint_engine_config.engine_kwargs.get(backend, {})
+            import_external_libs(checkpoint_engine_config.custom_backend_module or None)
+            self.checkpoint_engine = CheckpointEngineRegistry.new(
+                backend, is_master=(torch.distributed.get_rank() == 0), bucket_size=bucket_size, **engine_kwargs
+            )
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    async def update_weights(self, global_steps: int = None, mode: str = "auto"):
+        """verl's update_weights for a non-naive backend (engine_workers.py), verbatim."""
+        effective_mode = mode if mode != "auto" else self.config.rollout.checkpoint_engine.backend
+        if effective_mode != "naive":
+            if effective_mode == "delta_sharded":
+                metrics = await self.checkpoint_engine.send_weights(self.actor.engine, global_steps=global_steps)
+                return metrics or {}
+            per_tensor_param, _ = self.actor.engine.get_per_tensor_param()
+            metrics = await self.checkpoint_engine.send_weights(per_tensor_param, global_steps=global_steps)
+            return metrics or {}
+        raise NotImplementedError("stand-in: the colocated (naive) sync needs verl's hybrid rollout on CUDA")
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE, blocking=False)
+    def execute_checkpoint_engine(self, method: str, *args, **kwargs):
+        return getattr(self.checkpoint_engine, method)(*args, **kwargs)
+
+    # ---- test hooks (not verl's) ----------------------------------------------------------------------------
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def scale_weights(self, factor: float) -> None:
+        """Stands for an optimizer step: every Megatron parameter of this rank times `factor`."""
+        with torch.no_grad():
+            for chunk in self.actor.engine.module:
+                for param in chunk.parameters():
+                    param.mul_(factor)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def p2p_state(self) -> dict:
+        """What this rank's p2p engine holds: plan generation, targets, and the identity of its data plane."""
+        engine = self.checkpoint_engine
+        session = engine._session
+        assignment = engine._assignment
+        return {
+            "role": engine.role.value,
+            "generation": None if assignment is None else assignment.generation,
+            "assignment_id": id(assignment),
+            "targets": [] if assignment is None else [(t.engine, t.rank) for t in assignment.targets],
+            "session_id": id(session),
+            "transport_id": id(getattr(session, "transport", None)),
+            "transport_session": getattr(getattr(session, "transport", None), "session_id", None),
+            "replica_ids": sorted(id(r) for r in getattr(session, "_replicas", {}).values()),
+            "export_mode": getattr(getattr(session, "exporter", None), "mode", None),
+        }
+
+
+def _cpu_training_worker(config: Any) -> Any:
+    """verl's TrainingWorker holding verl's MegatronEngine class over a CPU Megatron model (Megatron-Bridge).
+
+    MegatronEngine's own `__init__`/`initialize` build the model on CUDA, so the instance is made without them and
+    given the attributes its export methods read. Its `get_per_tensor_param` is verl's, with the move of the
+    parameters to the GPU (`load_megatron_model_to_gpu`) made the identity: the host has no GPU.
+    """
+    from support.megatron_cpu import Parallel, build_tiny_megatron, install_te_stub
+    from verl_p2p.compat import install_cpu_stubs
+
+    install_te_stub()  # megatron-core's modules first, then the import-only transformer_engine stub
+    install_cpu_stubs()  # SGLang's model classes (the p2p replica) on a CPU host
+    from verl.workers.config import HFModelConfig
+    from verl.workers.engine.megatron import transformer_impl
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngine
+    from verl.workers.engine_workers import TrainingWorker
+
+    transformer_impl.load_megatron_model_to_gpu = lambda *args, **kwargs: None
+    megatron = config.actor.megatron
+    par = Parallel(
+        tp=megatron.tensor_model_parallel_size,
+        pp=megatron.pipeline_model_parallel_size,
+        ep=megatron.expert_model_parallel_size,
+        etp=megatron.expert_tensor_parallel_size,
+    )
+    modules, bridge = build_tiny_megatron(config.model.path, par, dtype=torch.float32)
+    engine = object.__new__(MegatronEngine)
+    engine.module = modules
+    engine.bridge = bridge
+    engine.model_config = HFModelConfig(path=config.model.path, load_tokenizer=False)
+    engine.vanilla_bridge = False
+    engine.peft_cls = None
+    engine._qat_enabled = False
+    engine._hf_export_tasks = None
+    engine._is_offload_param = False
+    engine._is_offload_optimizer = False
+    actor = object.__new__(TrainingWorker)
+    actor.engine = engine
+    return actor
+
+
+def trainer_config(model_path: str, checkpoint_engine: dict, *, tp: int = 1, ep: int = 1, etp: int | None = None):
+    """The slice of verl's `actor_rollout_ref` config the actor worker reads (OmegaConf, as verl passes it)."""
+    return OmegaConf.create(
+        {
+            "hybrid_engine": False,
+            "model": {"path": str(model_path)},
+            "actor": {
+                "strategy": "megatron",
+                "megatron": {
+                    "tensor_model_parallel_size": tp,
+                    "pipeline_model_parallel_size": 1,
+                    "expert_model_parallel_size": ep,
+                    "expert_tensor_parallel_size": etp,
+                },
+            },
+            "rollout": {
+                "name": "sglang",
+                "checkpoint_engine": {"_target_": "verl.workers.config.CheckpointEngineConfig", **checkpoint_engine},
+            },
+        }
+    )
+
+
+def trainer_group(config: Any, world_size: int) -> RayWorkerGroup:
+    """verl's RayWorkerGroup of `world_size` actor workers on a CPU resource pool; `init_model` done."""
+    pool = RayResourcePool([world_size], use_gpu=False, max_colocate_count=1, name_prefix="p2p_e2e_actor")
+    cls = RayClassWithInitArgs(cls=ray.remote(ActorWorkerStandIn), config=config, role="actor")
+    group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=cls, name_prefix="p2p_e2e_actor", device_name="cpu")
+    group.init_model()
+    return group
+
+
+# ------------------------------------------------------------------------------------------------ rollout side
+
+
+class ServerAdapterStandIn:
+    """Stand-in for verl's SGLang ServerAdapter inside the rollout's CheckpointEngineWorker.
+
+    Mirrors what verl's reads (`replica_rank`, `rollout_rank` = RANK modulo the replica's world size, node 0)
+    and what its `update_weights` does with the checkpoint engine's stream: it loads every received tensor into
+    the server (here: counts them), then the server's TP leader flushes the cache and stamps `set_global_steps`.
+    """
+
+    def __init__(self, replica_rank: int, world_size: int) -> None:
+        self.replica_rank = replica_rank
+        self.world_size = world_size
+        self.received: list[str] = []
+        self.server_actor: Any = None
+        self._url: str | None = None
+
+    @property
+    def rollout_rank(self) -> int:
+        return int(os.environ["RANK"]) % self.world_size
+
+    @property
+    def is_leader_rank(self) -> bool:
+        return self.rollout_rank == 0
+
+    async def _init_server_adapter(self) -> None:
+        if self._url is not None or not self.is_leader_rank:
+            return
+        self.server_actor = ray.get_actor(f"sglang_server_{self.replica_rank}_0")
+        host, port = await self.server_actor.get_server_address.remote()
+        self._url = f"http://{host}:{port}"
+
+    async def update_weights(self, weights, global_steps: int = None, wire_format: str = "named_tensors", **kwargs):
+        from verl.workers.rollout.utils import ensure_async_iterator
+
+        await self._init_server_adapter()
+        async for name, _tensor in ensure_async_iterator(weights):
+            self.received.append(name)  # verl would send these to SGLang (update_weights_from_tensor)
+        if self._url is not None and self.is_leader_rank:
+            await asyncio.to_thread(_post, f"{self._url}/flush_cache", None)
+            if global_steps is not None:
+                await self.server_actor.set_global_steps.remote(global_steps)
+
+
+class SGLangServerStandIn:
+    """Stand-in for verl's SGLangHttpServer (Ray actor `sglang_server_{replica}_{node}`), node 0 of one replica.
+
+    Its control methods call the loopback engine's HTTP endpoints that SGLang's tokenizer manager would act on
+    (pause/continue generation, release/resume memory occupation); `set_global_steps` records the stamp.
+    """
+
+    def __init__(self, url: str, free_cache_engine: bool, node_rank: int = 0) -> None:
+        self.url = url.rstrip("/")
+        self.free_cache_engine = free_cache_engine
+        self.node_rank = node_rank
+        self.global_steps = None
+        self.calls: list[str] = []
+
+    def get_server_address(self) -> tuple[str, int]:
+        host, port = self.url.split("://", 1)[1].rsplit(":", 1)
+        return host, int(port)
+
+    def set_global_steps(self, global_steps: int) -> None:
+        self.calls.append("set_global_steps")
+        self.global_steps = global_steps
+
+    def abort_all_requests(self, reject_request: bool = False) -> None:
+        self.calls.append("abort_all_requests")
+        if self.node_rank == 0:
+            _post(f"{self.url}/pause_generation", {"mode": "abort"})
+
+    def resume_generation(self) -> None:
+        self.calls.append("resume_generation")
+        if self.node_rank == 0:
+            _post(f"{self.url}/continue_generation", {})
+
+    def release_kv_cache(self) -> None:
+        self.calls.append("release_kv_cache")
+        if self.node_rank != 0 or not self.free_cache_engine:
+            return
+        _post(f"{self.url}/release_memory_occupation", {"tags": ["kv_cache"]})
+
+    def resume_kv_cache(self) -> None:
+        self.calls.append("resume_kv_cache")
+        if self.node_rank != 0 or not self.free_cache_engine:
+            return
+        _post(f"{self.url}/resume_memory_occupation", {"tags": ["kv_cache"]})
+        _post(f"{self.url}/flush_cache", None)
+
+    def state(self) -> dict:
+        return {"global_steps": self.global_steps, "calls": list(self.calls)}
+
+
+def _post(url: str, body: dict | None) -> Any:
+    answer = requests.post(url, json=body, timeout=60)
+    if answer.status_code != 200:
+        raise RuntimeError(f"POST {url} -> {answer.status_code}: {answer.text[:500]}")
+    return answer
+
+
+class LoopbackReplica(RolloutReplica):
+    """Stand-in for verl's SGLangReplica over one loopback engine (SGLangReplica's module imports SGLang's server).
+
+    verl's RolloutReplica base does the rest: `init_colocated` builds the replica's workers as verl's real
+    CheckpointEngineWorker actors (here on a CPU resource pool, with the ServerAdapter stand-in), and its
+    `release_kv_cache`/`resume_kv_cache` go to every server; abort/resume go to the first server, as in
+    SGLangReplica.
+    """
+
+    def __init__(self, replica_rank: int, config: RolloutConfig, model_config: Any, server_url: str) -> None:
+        super().__init__(replica_rank, config, model_config, gpus_per_node=8)
+        self.server_url = server_url
+
+    def rollout_worker_use_gpu(self) -> bool:
+        return False
+
+    def get_ray_class_with_init_args(self) -> RayClassWithInitArgs:
+        from verl.checkpoint_engine.base import CheckpointEngineWorker
+
+        return RayClassWithInitArgs(
+            cls=ray.remote(CheckpointEngineWorker),
+            rollout_config=self.config,
+            model_config=self.model_config,
+            server_adapter=ServerAdapterStandIn(self.replica_rank, self.world_size),
+            replica_rank=self.replica_rank,
+        )
+
+    async def launch_servers(self) -> None:
+        server = (
+            ray.remote(SGLangServerStandIn)
+            .options(name=f"sglang_server_{self.replica_rank}_0", num_cpus=0)
+            .remote(self.server_url, self.config.free_cache_engine)
+        )
+        self.servers = [server]
+        host, port = await server.get_server_address.remote()
+        self._server_handle = server
+        self._server_address = f"{host}:{port}"
+
+    async def abort_all_requests(self, reject_request: bool = False) -> None:
+        await self.servers[0].abort_all_requests.remote()
+
+    async def resume_generation(self) -> None:
+        await self.servers[0].resume_generation.remote()
+
+
+def rollout_config(
+    checkpoint_engine: dict, *, tp: int, bootstrap_port: int, free_cache_engine: bool = True
+) -> RolloutConfig:
+    """verl's RolloutConfig of one SGLang replica served by a loopback engine."""
+    return RolloutConfig(
+        name="sglang",
+        mode="async",
+        tensor_model_parallel_size=tp,
+        free_cache_engine=free_cache_engine,
+        checkpoint_engine=CheckpointEngineConfig(**checkpoint_engine),
+        engine_kwargs={"sglang": {"engine_info_bootstrap_port": bootstrap_port, "host": "127.0.0.1"}},
+    )
+
+
+async def launch_replica(replica: LoopbackReplica) -> LoopbackReplica:
+    """verl's colocated launch path (RolloutReplica.init_colocated) on a CPU resource pool of the replica's size."""
+    pool = RayResourcePool(
+        [replica.world_size], use_gpu=False, max_colocate_count=1, name_prefix=f"p2p_e2e_rollout{replica.replica_rank}"
+    )
+    await replica.init_colocated(pool)
+    assert replica.rollout_mode is RolloutMode.COLOCATED
+    return replica

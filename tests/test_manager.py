@@ -1,0 +1,174 @@
+"""P2PCheckpointEngineManager over HTTP rollouts: the sync order, recovery, no trainer round-trips after the first
+connect, and add/remove_replicas touching only the affected engines.
+
+Stand-ins (named as such): the SGLang servers (tests/support/fake_sglang.py), verl's actor RayWorkerGroup (its
+calls run in-process on real P2PCheckpointEngine objects instead of over Ray), verl's replicas (the attributes
+the manager reads), and the trainer's data plane (SourceSession). The Ray end-to-end test with verl's real
+workers and the loopback rollout covers those parts.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import verl  # noqa: F401
+from support.fake_sglang import FakeSGLang
+from verl.checkpoint_engine import CheckpointEngineRegistry
+from verl.workers.config import CheckpointEngineConfig
+
+from verl_p2p.errors import P2PConfigError, P2PError
+from verl_p2p.manager import P2PCheckpointEngineManager
+from verl_p2p.roles import TrainerIdentity
+from verl_p2p.rollout.launch import BOOTSTRAP_PORT, MEMORY_SAVER, SEED_FLAG
+from verl_p2p.targets import TargetRank
+
+SYNC = ["pause_generation", "begin_weight_update", "update_weight_version", "end_weight_update", "continue_generation"]
+
+
+class SourceSessionStandIn:
+    """Stand-in for verl_p2p.source.SourceSession: records plans, 'pushes' by counting targets."""
+
+    fail_with: Exception | None = None
+
+    def __init__(self, config, owner, hostname=None, checkpoint_engine=None):
+        self.applied = []
+
+    def apply(self, assignment):
+        self.applied.append(assignment)
+
+    def push(self):
+        if self.fail_with is not None:
+            raise self.fail_with
+        targets = self.applied[-1].targets
+        return {"bytes": 100.0 * len(targets), "num_targets": float(len(targets)), "seconds/total": 0.1}
+
+
+class ActorGroupStandIn:
+    """Stand-in for verl's actor RayWorkerGroup: DP_COMPUTE / ONE_TO_ALL calls run on local engines."""
+
+    def __init__(self, world_size: int):
+        self.engines = []
+        for rank in range(world_size):
+            engine = CheckpointEngineRegistry.new("p2p", is_master=rank == 0, bucket_size=1 << 20)
+            engine._trainer = TrainerIdentity(rank=rank, world_size=world_size, pp_stage=0, pp_size=1)
+            self.engines.append(engine)
+        self.world_size = world_size
+        self.calls: list[str] = []
+
+    def execute_checkpoint_engine(self, method, **kwargs):
+        self.calls.append(method[0])
+        return [
+            getattr(engine, name)(**{k: v[i] for k, v in kwargs.items()})
+            for i, (engine, name) in enumerate(zip(self.engines, method, strict=True))
+        ]
+
+    def update_weights(self, global_steps=None, mode="auto"):
+        assert mode == "p2p"
+        self.calls.append("update_weights")
+        return [engine.send_weights(None, global_steps=global_steps) for engine in self.engines]
+
+
+class ReplicaStandIn:
+    """Stand-in for a launched verl SGLangReplica (what the manager and the adapter read; hashable like it)."""
+
+    def __init__(self, index: int, fake: FakeSGLang):
+        port = int(fake.bootstrap_url.rsplit(":", 1)[1])
+        self.replica_rank = index
+        self.server_address = fake.url.split("://")[1]
+        self.config = SimpleNamespace(engine_kwargs={"sglang": {BOOTSTRAP_PORT: port, "host": "127.0.0.1"}})
+        self.servers = []
+
+
+@pytest.fixture
+def fakes():
+    servers = [FakeSGLang(tp_size=2, server_args={SEED_FLAG: True, MEMORY_SAVER: False}) for _ in range(3)]
+    yield servers
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture
+def setup(fakes, monkeypatch):
+    monkeypatch.setattr("verl_p2p.source.SourceSession", SourceSessionStandIn)
+    monkeypatch.setattr(SourceSessionStandIn, "fail_with", None)
+    actors = ActorGroupStandIn(world_size=2)
+    config = CheckpointEngineConfig(backend="p2p", engine_kwargs={"p2p": {"http_timeout": 10}})
+    replicas = [ReplicaStandIn(i, f) for i, f in enumerate(fakes[:2])]
+    manager = P2PCheckpointEngineManager(config=config, actor_wg=actors, replicas=list(replicas))
+    yield manager, actors, replicas
+    manager.close()
+
+
+def targets_of(actors) -> list[TargetRank]:
+    return sorted(t for e in actors.engines for t in e._session.applied[-1].targets)
+
+
+def test_first_sync_connects_then_only_pushes(setup, fakes):
+    manager, actors, _ = setup
+    metrics = manager.update_weights(global_steps=1)
+    for fake in fakes[:2]:
+        assert fake.lifecycle_calls() == SYNC
+        assert fake.weight_version == "1"
+    assert actors.calls == ["prepare", "init_process_group", "update_weights"]
+    assert targets_of(actors) == [TargetRank(e, r) for e in (0, 1) for r in (0, 1)]
+    # rank 0's metrics (without torch.distributed each rank combines only its own; see test_engine_roles)
+    assert metrics["checkpoint_engine/p2p/bytes"] == 200.0
+    assert metrics["checkpoint_engine/p2p/reconnected"] == 1.0
+    assert "checkpoint_engine/p2p/phase/push_s" in metrics
+
+    metrics = manager.update_weights(global_steps=2)
+    assert actors.calls[3:] == ["update_weights"]  # no prepare/init_process_group round after the first connect
+    assert manager.trainer_rounds == 2
+    assert metrics["checkpoint_engine/p2p/reconnected"] == 0.0
+    assert all(f.weight_version == "2" for f in fakes[:2])
+
+
+def test_add_and_remove_replicas_reconnect_only_what_changed(setup, fakes):
+    manager, actors, replicas = setup
+    manager.update_weights(global_steps=1)
+    manager.update_weights(global_steps=2)
+    server_info_reads = [f.calls.count("server_info") for f in fakes]
+
+    manager.add_replicas([ReplicaStandIn(2, fakes[2])])
+    manager.update_weights(global_steps=3)
+    assert [f.calls.count("server_info") for f in fakes][:2] == server_info_reads[:2]  # old engines not re-read
+    assert fakes[2].calls.count("server_info") >= 1 and fakes[2].weight_version == "3"
+    assert actors.calls[4:] == ["init_process_group", "update_weights"]  # re-planned, no prepare round
+    assert {t.engine for t in targets_of(actors)} == {0, 1, 2}
+
+    manager.remove_replicas([replicas[0]])
+    calls_before = list(fakes[0].calls)
+    manager.update_weights(global_steps=4)
+    assert fakes[0].calls == calls_before and fakes[0].weight_version == "3"
+    assert {t.engine for t in targets_of(actors)} == {1, 2}
+
+
+def test_failed_push_restores_generation_and_never_bumps_the_version(setup, fakes):
+    manager, _, _ = setup
+    manager.update_weights(global_steps=1)
+    SourceSessionStandIn.fail_with = RuntimeError("write to 10.0.0.1:17000 timed out")
+    with pytest.raises(P2PError, match="timed out"):
+        manager.update_weights(global_steps=2)
+    for fake in fakes[:2]:
+        assert fake.lifecycle_calls()[len(SYNC) :] == [
+            "pause_generation",
+            "begin_weight_update",
+            "end_weight_update",
+            "continue_generation",
+        ]
+        assert fake.weight_version == "1" and not fake.paused and not fake.session_open
+
+
+def test_refuses_a_rollout_that_does_not_publish(setup, fakes):
+    manager, actors, _ = setup
+    fakes[1].server_args[SEED_FLAG] = False
+    with pytest.raises(P2PConfigError, match="rollout engine 1 .* does not publish"):
+        manager.update_weights(global_steps=1)
+    assert actors.calls == [] and fakes[1].lifecycle_calls() == []
+
+
+def test_manager_needs_the_p2p_backend(setup):
+    _, actors, replicas = setup
+    with pytest.raises(P2PConfigError, match="needs checkpoint_engine.backend=p2p, got 'naive'"):
+        P2PCheckpointEngineManager(config=CheckpointEngineConfig(backend="naive"), actor_wg=actors, replicas=replicas)

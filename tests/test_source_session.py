@@ -1,0 +1,128 @@
+"""SourceSession, the engine's seam to the data plane, over the real parts: RankReplica (SGLang's model classes),
+Mooncake tcp transport, registered transfer buffers, writer, push and export_stage.drive_export, writing into a
+real receiver process that holds a rollout rank's parameters.
+
+Stand-in: verl's Megatron engine and its stage exporter (the HF stream is the tiny checkpoint's tensors).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from types import SimpleNamespace
+
+import pytest
+
+from verl_p2p.config import P2PConfig
+from verl_p2p.layout import layout_from_server_args
+from verl_p2p.targets import TargetRank
+from verl_p2p.topology import Assignment
+
+os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+pytestmark = pytest.mark.slow
+
+SERVER_ARGS = {"tp_size": 1, "ep_size": 1, "dp_size": 1, "dtype": "float32"}
+TARGET = TargetRank(0, 0)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from safetensors.torch import load_file
+
+    from verl_p2p.compat import install_cpu_stubs
+    from verl_p2p.tiny import hf_tensor_shapes, write_tiny_checkpoint
+
+    install_cpu_stubs()
+    path = write_tiny_checkpoint(tmp_path_factory.mktemp("source") / "ckpt", "qwen3")
+    cfg = json.loads((path / "config.json").read_text())
+    tensors = load_file(str(path / "model.safetensors"))
+    return cfg, path, [(n, tensors[n]) for n, _ in hf_tensor_shapes(cfg)]
+
+
+@pytest.fixture(scope="module")
+def receiver(model):
+    from verl_p2p.hf_specs import hf_specs_from_checkpoint
+    from verl_p2p.replica import RankReplica
+    from verl_p2p.transfer.receiver import spec_from_plan, start_receivers, stop_all
+
+    cfg, path, _ = model
+    server_args = {**SERVER_ARGS, "model_path": str(path)}
+    plan = RankReplica.build(cfg, server_args, layout_from_server_args(server_args, 0), hf_specs_from_checkpoint(path))
+    handles = start_receivers({"e0r0": spec_from_plan(plan.plan.params)})
+    yield handles["e0r0"], {n: p.nbytes for n, p in plan.plan.params.items()}
+    stop_all(handles.values())
+
+
+class EngineStandIn:
+    """Stand-in for verl's MegatronEngine: what SourceSession reads (model_config) and exports (its stream)."""
+
+    def __init__(self, cfg, path, hf):
+        self.model_config = SimpleNamespace(hf_config=cfg, local_path=str(path))
+        self.hf = hf
+        self.exported = 0
+
+    def stream(self):
+        for item in self.hf:
+            self.exported += 1
+            yield item
+
+
+@pytest.fixture
+def session(model, monkeypatch):
+    from verl_p2p import verl_engine
+    from verl_p2p.source import SourceSession
+
+    engine = EngineStandIn(*model)
+    monkeypatch.setattr(verl_engine, "find_megatron_engine", lambda owner: engine)
+    monkeypatch.setattr(verl_engine, "engine_exporter", lambda eng, mode: SimpleNamespace(mode=mode))
+    monkeypatch.setattr(verl_engine, "export_engine_stage", lambda exporter, eng: eng.stream())
+    config = P2PConfig(protocol="tcp", hostname="127.0.0.1", bucket_size_mb=1, release_buffers_on_save=False)
+    session = SourceSession(config, owner=object(), hostname=config.hostname)
+    yield session, engine
+    session.close()
+
+
+def assignment(generation: int, receiver=None, path=None) -> Assignment:
+    if receiver is None:  # idle: the stage has another sender
+        return Assignment(generation, 0, 0, 1, (0, 1), (1,))
+    server_args = {**SERVER_ARGS, "model_path": str(path)}
+    return Assignment(
+        generation,
+        0,
+        0,
+        1,
+        (0,),
+        (0,),
+        (TARGET,),
+        {TARGET: receiver.remote_info()},
+        {TARGET: layout_from_server_args(server_args, 0)},
+        {0: server_args},
+    )
+
+
+def test_source_session_writes_every_parameter_of_its_target(session, receiver, model, tmp_path):
+    session, engine = session
+    handle, nbytes = receiver
+    _, path, hf = model
+    assert session.transport is None  # nothing allocated before a plan with targets
+
+    session.apply(assignment(1, handle, path))
+    metrics = session.push()
+    assert metrics.total_bytes == sum(nbytes.values())
+    assert engine.exported == len(hf)
+    written = handle.dump(str(tmp_path / "dump.pt"))
+    untouched = [n for n, t in written.items() if bool((t == 0xFF).all())]
+    assert untouched == [] and set(written) == set(nbytes)
+
+    session.apply(assignment(2, handle, path))  # same layout: the replica is reused, not rebuilt
+    assert len(session._replicas) == 1
+    assert session.push().total_bytes == sum(nbytes.values())
+
+
+def test_idle_rank_runs_the_export_without_transport(session, model):
+    session, engine = session
+    _, _, hf = model
+    session.apply(assignment(1))
+    assert session.push() is None
+    assert engine.exported == len(hf)  # drained: the stage's collectives would have matched
+    assert session.transport is None and session.buffers is None

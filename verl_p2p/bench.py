@@ -1,0 +1,318 @@
+"""`verl-p2p bench`: one trainer source pushes a synthetic >= 1 GB Qwen3-MoE into 2 engines x 2 ranks of
+receiver processes over Mooncake (loopback tcp by default), and replays the very same write lists without
+the replica (raw Mooncake) in the same run, so the two are compared side by side on a noisy machine.
+
+Reported: bytes per target, push seconds (HF stream + staging + replica loads + writes, as the trainer
+pays them), raw write seconds, push_over_raw (goal <= 1.25), and the source's peak staging memory over the
+bytes of its two slots, staging_over_slots (goal <= 1.10): peak bytes of streamed HF tensors still alive
+(weak references: whoever holds them) plus the slots; the replica loads straight into the slots and
+allocates no buffers of its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import zlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from verl_p2p.targets import TargetRank
+from verl_p2p.transfer.writer import WriteEntry, Writer
+
+
+@dataclass(frozen=True)
+class BenchShape:
+    """A Qwen3-MoE scaled so the whole checkpoint is about 1.2 GB in bf16."""
+
+    hidden_size: int = 1024
+    num_hidden_layers: int = 24
+    num_experts: int = 16
+    moe_intermediate_size: int = 512
+    vocab_size: int = 32768
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 4
+    head_dim: int = 64
+
+    def config(self) -> dict:
+        from verl_p2p.tiny import tiny_config_dict
+
+        return tiny_config_dict(
+            "qwen3_moe",
+            hidden_size=self.hidden_size,
+            intermediate_size=4 * self.hidden_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_experts=self.num_experts,
+            num_experts_per_tok=2,
+            moe_intermediate_size=self.moe_intermediate_size,
+            vocab_size=self.vocab_size,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            torch_dtype="bfloat16",
+        )
+
+
+class RecordingWriter(Writer):
+    """A Writer that keeps every submitted write list, so the same bytes can be replayed raw."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.recorded: list[list[WriteEntry]] = []
+
+    def submit(self, entries):
+        entries = list(entries)
+        self.recorded.append(entries)
+        return super().submit(entries)
+
+
+class SyntheticStream:
+    """Random bf16 HF tensors, deterministic per name (so the receivers' bytes can be checked): views of one
+    random pool, so producing them costs nothing (an export's cost is not the data plane's). Each view is
+    a new tensor object per sync, so the staging accounting sees how long the push keeps it alive."""
+
+    def __init__(self, specs: dict[str, tuple[tuple[int, ...], torch.dtype]], seed: int = 0) -> None:
+        self.specs = specs
+        largest = max(_numel(s) for s, _ in specs.values())
+        gen = torch.Generator().manual_seed(seed)
+        self.pool = (torch.randn(largest + 4096, generator=gen) * 0.02).to(torch.bfloat16)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        shape, dtype = self.specs[name]
+        numel = _numel(shape)
+        start = zlib.crc32(name.encode()) % (self.pool.numel() - numel + 1)
+        return self.pool[start : start + numel].view(shape).to(dtype)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name in self.specs:
+            yield name, self.tensor(name)
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _raw_replay(writer: Writer, recorded: list[list[WriteEntry]], slots: Sequence[tuple[int, int]]) -> float:
+    """The same write lists (same slots, same remote ranges, same lanes), no replica or staging, with the
+    push's flow control: a slot's writes start once the writes of that slot's previous fill returned."""
+
+    def slot_of(entries: list[WriteEntry]) -> int:
+        addr = entries[0].local_addr
+        return next(i for i, (lo, hi) in enumerate(slots) if lo <= addr < hi)
+
+    start = time.perf_counter()
+    in_flight: dict[int, list] = {}  # slot -> batches of its current fill
+    previous = None
+    failures = []
+    for entries in recorded:
+        slot = slot_of(entries)
+        if slot != previous:  # a new fill of this slot: its previous fill must have landed
+            failures += [f for b in in_flight.pop(slot, []) for f in b.wait()]
+            previous = slot
+        in_flight.setdefault(slot, []).append(writer.submit(entries))
+    failures += [f for batches in in_flight.values() for b in batches for f in b.wait()]
+    elapsed = time.perf_counter() - start
+    if failures:
+        raise RuntimeError(f"raw replay failed: {[f.describe() for f in failures]}")
+    return elapsed
+
+
+def run_bench(
+    out_path: str | None = None,
+    shape: BenchShape | None = None,
+    slot_mb: int = 512,
+    engines: int = 2,
+    tp_size: int = 2,
+    ep_size: int = 2,
+    repeats: int = 3,
+    protocol: str = "tcp",
+    hostname: str = "127.0.0.1",
+    timeout_s: float = 120.0,
+    verify: bool = True,
+) -> dict:
+    """Run the benchmark and return (and write to `out_path`, if given) its numbers."""
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    from verl_p2p.compat import install_cpu_stubs
+
+    install_cpu_stubs()
+    from verl_p2p.layout import layout_from_server_args
+    from verl_p2p.push import PushTarget, push
+    from verl_p2p.replica.stream import RankReplica
+    from verl_p2p.tiny import hf_tensor_shapes
+    from verl_p2p.transfer.buffers import TransferBuffers
+    from verl_p2p.transfer.mooncake import MooncakeTransport
+    from verl_p2p.transfer.receiver import spec_from_plan, start_receivers, stop_all
+
+    shape = shape or BenchShape()
+    cfg = shape.config()
+    specs = {n: (tuple(s), torch.bfloat16) for n, s in hf_tensor_shapes(cfg)}
+    model_bytes = sum(_numel(s) * 2 for s, _ in specs.values())
+    server_args = {"tp_size": tp_size, "ep_size": ep_size, "dtype": "bfloat16"}
+    t0 = time.perf_counter()
+    replicas = [
+        RankReplica.build(cfg, server_args, layout_from_server_args(server_args, r), specs) for r in range(tp_size)
+    ]
+    build_s = time.perf_counter() - t0
+    targets_of = {TargetRank(e, r): replicas[r] for e in range(engines) for r in range(tp_size)}
+    handles = start_receivers(
+        {f"{t.engine}.{t.rank}": spec_from_plan(rep.plan.params) for t, rep in targets_of.items()},
+        hostname=hostname,
+        protocol=protocol,
+    )
+    transport = buffers = writer = None
+    try:
+        receivers = {t: handles[f"{t.engine}.{t.rank}"] for t in targets_of}
+        targets = [PushTarget(t, targets_of[t], receivers[t].remote_info()) for t in sorted(targets_of)]
+        transport = MooncakeTransport(hostname, protocol=protocol, timeout_s=timeout_s)
+        buffers = TransferBuffers(slot_mb << 20, transport)
+        writer = RecordingWriter(transport, {t.target: t.remote for t in targets}, timeout_s=timeout_s)
+        stream = SyntheticStream(specs)
+        push(iter(stream), targets, buffers, writer)  # warm-up (connections, page faults); records the writes
+        runs = []
+        for _ in range(repeats):  # raw replay of the last push's write lists, then a push: side by side
+            recorded, writer.recorded = writer.recorded, []
+            slots = [(x.addr, x.addr + x.nbytes) for x in buffers.slots]
+            raw_s = _raw_replay(writer, recorded, slots)
+            runs.append((push(iter(stream), targets, buffers, writer), raw_s))
+        verified = _verify(stream, targets_of, receivers) if verify else None
+    finally:
+        if writer is not None:
+            writer.close()
+        if buffers is not None:
+            buffers.release()
+        stop_all(handles.values())
+
+    push_s = [m.seconds_total for m, _ in runs]
+    raw_s = [r for _, r in runs]
+    last = runs[-1][0]
+    slot_bytes = last.slot_bytes
+    peak_staged = max(m.peak_staged_bytes for m, _ in runs)
+    result = {
+        "model_bytes": model_bytes,
+        "engines": engines,
+        "tp_size": tp_size,
+        "ep_size": ep_size,
+        "protocol": protocol,
+        "slot_bytes": slot_bytes // 2,
+        "bytes_per_target": {f"e{t.engine}r{t.rank}": n for t, n in sorted(last.bytes_per_target.items())},
+        "total_bytes_written": last.total_bytes,
+        "bytes_loaded": last.loaded_bytes,
+        "num_batches": last.num_batches,
+        "push_seconds": push_s,
+        "raw_seconds": raw_s,
+        "push_seconds_median": statistics.median(push_s),
+        "raw_seconds_median": statistics.median(raw_s),
+        "push_over_raw": statistics.median(p / r for p, r in zip(push_s, raw_s, strict=True)),
+        "push_gbps": last.total_bytes / statistics.median(push_s) / 1e9,
+        "raw_gbps": last.total_bytes / statistics.median(raw_s) / 1e9,
+        "phase_seconds": {
+            "hf_wait": last.seconds_hf_wait,
+            "stage": last.seconds_stage,
+            "load": last.seconds_load,
+            "write_wait": last.seconds_write_wait,
+        },
+        "peak_staged_bytes": peak_staged,
+        "staging_bytes": peak_staged + slot_bytes,
+        "staging_over_slots": (peak_staged + slot_bytes) / slot_bytes,
+        "replica_build_seconds": build_s,
+        "verified": verified,
+        "goals": {"push_over_raw": 1.25, "staging_over_slots": 1.10},
+    }
+    print(format_table(result))
+    if out_path:
+        with open(out_path, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+def _verify(stream: SyntheticStream, targets_of, receivers) -> bool:
+    """Every receiver byte equals the replica's bytes for the same synthetic checkpoint (digests)."""
+    import hashlib
+
+    want_by_key = {}
+    for t, replica in targets_of.items():
+        if replica.key not in want_by_key:
+            want = {}
+            for name, p in replica.plan.params.items():
+                dst = torch.empty(p.nbytes, dtype=torch.uint8)
+                replica.load(name, {n: stream.tensor(n) for n in p.feeds}, dst)
+                want[name] = hashlib.blake2b(dst.numpy(), digest_size=16).hexdigest()
+            want_by_key[replica.key] = want
+        got = receivers[t].digest()
+        if got != want_by_key[replica.key]:
+            bad = sorted(n for n in got if got[n] != want_by_key[replica.key].get(n))
+            raise RuntimeError(f"{t}: received bytes differ from the replica's for {bad[:5]}")
+    return True
+
+
+def format_table(r: dict) -> str:
+    gb = 1e9
+    rows = [
+        ("model (bf16)", f"{r['model_bytes'] / gb:.2f} GB"),
+        (
+            "targets",
+            f"{r['engines']} engines x {r['tp_size']} ranks (tp{r['tp_size']} ep{r['ep_size']}, {r['protocol']})",
+        ),
+        *((f"bytes -> {k}", f"{v / gb:.3f} GB") for k, v in r["bytes_per_target"].items()),
+        ("bytes written / loaded", f"{r['total_bytes_written'] / gb:.2f} GB / {r['bytes_loaded'] / gb:.2f} GB"),
+        (
+            "push seconds (median)",
+            f"{r['push_seconds_median']:.3f}  ({', '.join(f'{x:.3f}' for x in r['push_seconds'])})",
+        ),
+        (
+            "raw write seconds (median)",
+            f"{r['raw_seconds_median']:.3f}  ({', '.join(f'{x:.3f}' for x in r['raw_seconds'])})",
+        ),
+        ("push_over_raw (goal <= 1.25)", f"{r['push_over_raw']:.3f}"),
+        ("push / raw GB/s", f"{r['push_gbps']:.2f} / {r['raw_gbps']:.2f}"),
+        ("phases (last push)", ", ".join(f"{k} {v:.3f}s" for k, v in r["phase_seconds"].items())),
+        ("slots", f"2 x {r['slot_bytes'] / 2**20:.0f} MiB"),
+        ("peak staged HF tensors", f"{r['peak_staged_bytes'] / 2**20:.1f} MiB"),
+        ("staging_over_slots (goal <= 1.10)", f"{r['staging_over_slots']:.3f}"),
+        ("receiver bytes verified", str(r["verified"])),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="verl-p2p bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="bench_p2p.json", help="JSON result path")
+    parser.add_argument("--slot-mb", type=int, default=512, help="one transfer slot (two per source); p2p default")
+    parser.add_argument("--engines", type=int, default=2)
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--ep", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=BenchShape.num_hidden_layers)
+    parser.add_argument("--experts", type=int, default=BenchShape.num_experts)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--protocol", default="tcp", choices=("tcp", "rdma"))
+    parser.add_argument("--hostname", default="127.0.0.1")
+    parser.add_argument("--no-verify", action="store_true", help="skip the receiver byte check")
+    args = parser.parse_args(argv)
+    shape = BenchShape(num_hidden_layers=args.layers, num_experts=args.experts)
+    run_bench(
+        out_path=args.out,
+        shape=shape,
+        slot_mb=args.slot_mb,
+        engines=args.engines,
+        tp_size=args.tp,
+        ep_size=args.ep,
+        repeats=args.repeats,
+        protocol=args.protocol,
+        hostname=args.hostname,
+        verify=not args.no_verify,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,347 @@
+"""P2PCheckpointEngine: verl's checkpoint-engine hooks mapped onto the p2p sync (DESIGN.md section 6).
+
+verl's stock CheckpointEngineManager drives every sync the same way: abort and release KV on every replica,
+`prepare` on every worker, `build_topology` on the driver, `init_process_group` on every worker, then
+`send_weights` (trainer) alongside `receive_weights` + the server adapter's update (rollout), `finalize`, resume
+KV and generation. Here:
+
+- `prepare`: trainer rank: report its rank, PP stage and the plan generation it holds. Rollout leader (rank 0
+  of a replica): [check: snapshot + reset, once], begin the session, publish rank info until acknowledged.
+  Rollout follower: report its replica.
+- `build_topology` (driver): plan every target onto one source per stage; send a trainer rank its assignment
+  only when it changed, and each leader the acknowledgement of its rank info.
+- `init_process_group`: trainer rank: take the assignment (connect on the first or a new one).
+- `send_weights` (trainer): export the stage and write it (source) or only run the export's collectives
+  (idle); rank 0 returns the combined metrics.
+- `receive_weights` (rollout): note the version (global step); yields nothing.
+- `finalize`: rollout leader: bump the version, end the session, [check: compare, once].
+
+verl's own `set_global_steps` stamp still happens: the rollout's server adapter receives the empty stream and
+stamps the version. Construction is cheap (verl builds the engine on every actor and rollout worker in every
+trainer mode): it validates `engine_kwargs.p2p`, finds its verl worker and decides trainer vs rollout; nothing
+is imported, allocated or connected until a hook needs it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hashlib
+import logging
+from collections.abc import Coroutine, Generator, Mapping
+from typing import Any
+
+from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
+
+from verl_p2p import metrics as p2p_metrics
+from verl_p2p.config import P2PConfig
+from verl_p2p.errors import P2PError
+from verl_p2p.roles import (
+    Role,
+    RolloutIdentity,
+    Side,
+    TrainerIdentity,
+    find_owner_worker,
+    rollout_identity,
+    side_of,
+    trainer_identity,
+    weak,
+)
+from verl_p2p.topology import DRIVER_CACHE, Assignment, EngineMeta, SourceMeta
+
+logger = logging.getLogger(__name__)
+
+# `prepare` metadata: {"p2p": <role>, ...}
+TRAINER, LEADER, FOLLOWER = "trainer", "rollout_leader", "rollout_follower"
+
+
+def run_sync(coro: Coroutine) -> Any:
+    """Run a coroutine to completion from sync code, also inside a running event loop (Ray async actors)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="p2p-sync") as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+@CheckpointEngineRegistry.register("p2p")
+class P2PCheckpointEngine(CheckpointEngine):
+    """Checkpoint engine `p2p`: trainer sources write straight into SGLang rollout ranks' weight memory.
+
+    Args:
+        bucket_size: verl's `update_weights_bucket_megabytes` in bytes; unused (p2p sizes its transfer slots
+            with `engine_kwargs.p2p.bucket_size_mb`).
+        is_master: passed by verl on trainer ranks only (rank 0); its presence marks the trainer side.
+        **options: `checkpoint_engine.engine_kwargs.p2p`, validated by P2PConfig.
+    """
+
+    def __init__(self, bucket_size: int, is_master: bool | None = None, **options: Any) -> None:
+        self.bucket_size = bucket_size
+        self.is_master = bool(is_master)
+        self.config = P2PConfig.from_mapping(options)
+        owner = find_owner_worker()
+        self._owner = weak(owner)
+        self.side = side_of(is_master, owner)
+        # trainer
+        self._trainer: TrainerIdentity | None = None
+        self._session: Any = None  # source.SourceSession, built on the first assignment
+        self._assignment: Assignment | None = None
+        self._metrics_group: Any = None
+        # rollout
+        self._rollout: RolloutIdentity | None = None
+        self._adapter: Any = None  # rollout.adapter.P2PReplicaAdapter, leader only
+        self._checker: Any = None
+        self._published: EngineMeta | None = None
+        self._acked: str | None = None
+        self._in_sync = False  # between a leader's prepare and finalize
+        self._version: int | None = None
+        if self.side is Side.TRAINER and self.is_master:
+            from verl_p2p.guards import warn_hybrid_actor
+
+            warn_hybrid_actor(owner)
+
+    # ---- identity --------------------------------------------------------------------------------------------
+
+    @property
+    def owner(self) -> Any | None:
+        """The verl worker that built this engine (ActorRolloutRefWorker or CheckpointEngineWorker), if found."""
+        return self._owner() if self._owner is not None else None
+
+    @property
+    def role(self) -> Role:
+        if self.side is Side.TRAINER:
+            if self._assignment is None:
+                return Role.TRAINER
+            return Role.TRAINER_SOURCE if self._assignment.is_source else Role.TRAINER_IDLE
+        return self.rollout.role
+
+    @property
+    def rollout(self) -> RolloutIdentity:
+        if self._rollout is None:
+            self._rollout = rollout_identity(self.owner)
+        return self._rollout
+
+    @property
+    def trainer(self) -> TrainerIdentity:
+        if self._trainer is None:
+            self._trainer = trainer_identity()
+        return self._trainer
+
+    # ---- hooks -----------------------------------------------------------------------------------------------
+
+    def prepare(self) -> dict[str, Any]:
+        if self.side is Side.TRAINER:
+            me = self.trainer
+            generation = self._assignment.generation if self._assignment else 0
+            return {"p2p": TRAINER, "source": SourceMeta(me.rank, me.pp_stage, me.pp_size, generation)}
+        if self.rollout.role is Role.ROLLOUT_FOLLOWER:
+            return {"p2p": FOLLOWER, "engine": self.rollout.replica_rank}
+        return {"p2p": LEADER, "engine": run_sync(self._leader_prepare())}
+
+    @classmethod
+    def build_topology(
+        cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list[dict]
+    ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
+        return build_topology(actor_wg_world_size, rollout_world_size, metadata)
+
+    def init_process_group(self, assignment: Assignment | int | None = None, ack: str | None = None, **_: Any):
+        if self.side is Side.TRAINER:
+            self.apply_assignment(assignment)
+        elif ack is not None:
+            self._acked = ack
+
+    async def send_weights(self, weights: Generator | Any = None, global_steps: int | None = None) -> dict:
+        """Export this rank's stage and write it to its targets; returns the sync's metrics on rank 0.
+
+        `weights` (verl's full-model export) is never iterated: it would broadcast every stage to every rank.
+        The stage is exported PP-locally from the worker's Megatron engine instead.
+        """
+        if self.side is not Side.TRAINER:
+            raise P2PError("send_weights called on a p2p rollout engine: only trainer ranks send")
+        mine: dict[str, float] = {}
+        error: BaseException | None = None
+        try:
+            if self._session is None:
+                raise P2PError("p2p trainer rank has no plan: init_process_group was not called before send_weights")
+            mine = p2p_metrics.as_dict(self._session.push())
+        except Exception as exc:  # every rank must reach the gather below, or the others wait forever
+            error = exc
+        outcomes = self._gather(
+            (self.trainer.rank, mine, None if error is None else f"{type(error).__name__}: {error}")
+        )
+        failed = [(rank, text) for rank, _, text in outcomes if text]
+        if failed:
+            text = "; ".join(f"trainer rank {rank}: {why}" for rank, why in failed)
+            raise P2PError(f"p2p push to version {global_steps} failed: {text}") from error
+        if not self.is_master:
+            return {}
+        return p2p_metrics.sync_metrics([m for _, m, _ in outcomes], {"generation": float(self._assignment.generation)})
+
+    def receive_weights(self, global_steps: int | None = None):
+        """Nothing travels through the rollout worker: note the version for `finalize` and yield nothing."""
+        self._version = global_steps
+        return iter(())
+
+    def finalize(self) -> None:
+        if self.side is Side.ROLLOUT and self._in_sync and self.rollout.role is Role.ROLLOUT_LEADER:
+            run_sync(self._leader_finalize())
+
+    # ---- trainer ---------------------------------------------------------------------------------------------
+
+    def apply_assignment(self, assignment: Assignment | int | None) -> None:
+        """Take this rank's part of the plan; an int means "unchanged" and must be the generation held."""
+        if assignment is None:
+            raise P2PError("p2p trainer rank got no assignment from build_topology")
+        held = self._assignment.generation if self._assignment else 0
+        if isinstance(assignment, int):
+            if assignment != held:
+                raise P2PError(f"p2p trainer rank holds plan generation {held}, the driver expects {assignment}")
+            return
+        if assignment.rank != self.trainer.rank:
+            raise P2PError(f"assignment for trainer rank {assignment.rank} delivered to rank {self.trainer.rank}")
+        if self._metrics_group is None:
+            self._metrics_group = _new_gather_group()
+        if self._session is None:
+            from verl_p2p.source import SourceSession
+
+            self._session = SourceSession(self.config, self.owner, self.config.hostname, checkpoint_engine=self)
+        self._session.apply(assignment)
+        self._assignment = assignment
+        logger.info(
+            "p2p trainer rank %d: plan generation %d, %s",
+            assignment.rank,
+            assignment.generation,
+            f"{len(assignment.targets)} target(s)" if assignment.is_source else "idle",
+        )
+
+    def _gather(self, item: Any) -> list[Any]:
+        if self._metrics_group is None:
+            return [item]
+        import torch.distributed as dist
+
+        items: list[Any] = [None] * dist.get_world_size(self._metrics_group)
+        dist.all_gather_object(items, item, group=self._metrics_group)
+        return items
+
+    # ---- rollout leader --------------------------------------------------------------------------------------
+
+    async def _leader_prepare(self) -> EngineMeta:
+        adapter = self._leader_adapter()
+        if self._in_sync:  # the previous sync failed before finalize: close its session first
+            logger.warning("p2p: %s: the previous weight sync never finalized; ending its session", adapter)
+            self._in_sync = False
+            if adapter.sessions_supported:
+                await adapter.end_session()
+        if self._published is None:
+            await self._leader_publish(adapter)
+        if self._checker.wants_arm:
+            await self._checker.arm([adapter])
+        await adapter.begin_session()
+        self._in_sync = True
+        meta = self._published
+        if self._acked == meta.digest:
+            return EngineMeta(meta.engine, meta.digest)
+        return meta
+
+    def _leader_adapter(self) -> Any:
+        if self._adapter is None:
+            from verl_p2p.checker import WeightUpdateChecker
+            from verl_p2p.rollout.adapter import P2PReplicaAdapter
+
+            url = _server_url(self.rollout.replica_rank)
+            self._adapter = P2PReplicaAdapter(self.rollout.replica_rank, url, config=self.config)
+            self._checker = WeightUpdateChecker(self.config)
+        return self._adapter
+
+    async def _leader_publish(self, adapter: Any) -> None:
+        from verl_p2p.rollout.launch import check_live_server_args
+
+        info = await adapter.server_info(refresh=True)
+        check_live_server_args(info, engine=adapter.engine, url=adapter.url)
+        bootstrap = _bootstrap_url(info, adapter.url)
+        if bootstrap and adapter.client.bootstrap_url is None:
+            from verl_p2p.rollout.client import normalize_url
+
+            adapter.client.bootstrap_url = normalize_url(bootstrap)
+        answers = await adapter.rank_answers()
+        digest = hashlib.blake2b(
+            repr(sorted((r, a.digest) for r, a in answers.items())).encode(), digest_size=16
+        ).hexdigest()
+        self._published = EngineMeta(adapter.engine, digest, dict(info), {rank: a.info for rank, a in answers.items()})
+
+    async def _leader_finalize(self) -> None:
+        adapter = self._adapter
+        self._in_sync = False
+        try:
+            if self._version is not None:
+                await adapter.bump_version(str(self._version))
+        finally:
+            if adapter.sessions_supported:
+                await adapter.end_session()
+        if self._checker.wants_compare:
+            await self._checker.compare([adapter])
+
+
+# ---- driver ----------------------------------------------------------------------------------------------------
+
+
+def build_topology(
+    actor_world_size: int, rollout_world_size: int, metadata: list[Mapping[str, Any]]
+) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
+    """verl's `build_topology` for p2p (driver): one assignment per trainer rank, one ack per rollout worker."""
+    if len(metadata) != actor_world_size + rollout_world_size:
+        raise P2PError(f"expected {actor_world_size} + {rollout_world_size} prepare() answers, got {len(metadata)}")
+    actors, rollouts = metadata[:actor_world_size], metadata[actor_world_size:]
+    wrong = [i for i, m in enumerate(actors) if m.get("p2p") != TRAINER]
+    if wrong:
+        raise P2PError(f"actor worker(s) {wrong} did not answer prepare() as p2p trainer ranks")
+    sources = [m["source"] for m in actors]
+    leaders = [m["engine"] for m in rollouts if m.get("p2p") == LEADER]
+    followers = {m["engine"] for m in rollouts if m.get("p2p") == FOLLOWER}
+    engines = sorted({e.engine for e in leaders})
+    if len(engines) != len(leaders):
+        raise P2PError(f"two rollout workers claim to lead the same replica: {[e.engine for e in leaders]}")
+    leaderless = sorted(followers - set(engines))
+    if leaderless:
+        raise P2PError(f"rollout replica(s) {leaderless} have workers but no leader (rank 0) in this sync")
+    for meta in leaders:
+        DRIVER_CACHE.update_engine(meta)
+    generation, assignments = DRIVER_CACHE.plan(sources, engines)
+    actor_kwargs = {"assignment": [generation if s.generation == generation else assignments[s.rank] for s in sources]}
+    rollout_kwargs = {"ack": [m["engine"].digest if m.get("p2p") == LEADER else None for m in rollouts]}
+    return actor_kwargs, rollout_kwargs
+
+
+def _new_gather_group() -> Any:
+    """A gloo group over all trainer ranks for the per-sync outcome exchange (None when not distributed)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    return dist.new_group(backend="gloo")
+
+
+def _server_url(replica_rank: int) -> str:
+    """Node 0's HTTP address of verl's SGLang server actor for this replica (`sglang_server_{replica}_0`)."""
+    import ray
+
+    name = f"sglang_server_{replica_rank}_0"
+    try:
+        actor = ray.get_actor(name)
+    except ValueError as exc:
+        raise P2PError(f"p2p rollout leader: verl's SGLang server actor {name!r} not found ({exc})") from exc
+    host, port = ray.get(actor.get_server_address.remote())
+    host = f"[{host}]" if ":" in host and not host.startswith("[") else host
+    return f"{host}:{port}"
+
+
+def _bootstrap_url(server_info: Mapping[str, Any], url: str) -> str | None:
+    """Where the engine-info bootstrap server listens: `host` of the server args (the leader runs on node 0)."""
+    port = server_info.get("engine_info_bootstrap_port")
+    if not port:
+        return None
+    host = server_info.get("host") or "127.0.0.1"
+    if host in ("0.0.0.0", "::"):
+        host = url.split("://")[-1].rsplit(":", 1)[0]
+    return f"{host}:{port}"

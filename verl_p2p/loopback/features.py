@@ -1,0 +1,54 @@
+"""What the SGLang release a loopback engine claims to be (`sglang_version`) offers on its control plane.
+
+Cut-offs read from SGLang's sources: begin/end weight-update sessions and the checker's `skip_tensor_list` /
+`selector` from 0.5.22, `allow_quant_error` from 0.5.15 (PROTOCOL.md section 3). Two behaviours were verified
+only at the installed releases (0.5.12 and 0.5.23), so their exact first release is a bound, not a fact:
+`/weight_version` answers 404 ("deprecated, use /model_info") in both; a rank whose `compare` passed drops
+its snapshot, and checksums carry per-GPU / per-engine digests, in 0.5.23 but not in 0.5.12.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+
+def parse_version(text: str) -> tuple[int, int, int]:
+    """`"0.5.12"`, `"0.5.23.post1"`, `"0.5.22rc0"` -> (0, 5, 12) ...; raises ValueError on anything else."""
+    match = re.match(r"^\s*(\d+)\.(\d+)(?:\.(\d+))?", text)
+    if not match:
+        raise ValueError(f"not an SGLang version: {text!r}")
+    return int(match.group(1)), int(match.group(2)), int(match.group(3) or 0)
+
+
+def installed_sglang_version() -> str:
+    """The importable SGLang's version string."""
+    from sglang.version import __version__
+
+    return __version__
+
+
+@dataclass(frozen=True)
+class Features:
+    """Control-plane features of one SGLang release."""
+
+    version: str
+    weight_update_session: bool  # POST /begin_weight_update, /end_weight_update
+    checker_allow_quant_error: bool
+    checker_skip_tensor_list: bool  # also `selector`
+    weight_version_route: bool  # GET /weight_version answers the version (else 404, read /model_info)
+    compare_drops_snapshot: bool  # per rank, after a compare that passed on that rank
+    checksum_per_gpu: bool  # checksum answers carry per_gpu_checksum / per_engine_checksum
+
+    @classmethod
+    def of(cls, version: str) -> Features:
+        v = parse_version(version)
+        return cls(
+            version=version,
+            weight_update_session=v >= (0, 5, 22),
+            checker_allow_quant_error=v >= (0, 5, 15),
+            checker_skip_tensor_list=v >= (0, 5, 22),
+            weight_version_route=v < (0, 5, 12),
+            compare_drops_snapshot=v >= (0, 5, 23),
+            checksum_per_gpu=v >= (0, 5, 23),
+        )

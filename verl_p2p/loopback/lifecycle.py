@@ -1,0 +1,137 @@
+"""The loopback engine's lifecycle state machine and its event log (no HTTP, no processes).
+
+Refusals SGLang itself makes (read from 0.5.12 / 0.5.23): begin while a session is open, end without one
+(400, success false, SGLang's messages); an invalid pause mode or selector (400).
+Refusals SGLang does not make, added where p2p correctness needs them (messages start with "loopback:"):
+- begin_weight_update while generation runs: one-sided writes into a serving engine mix old and new weights;
+- release_memory_occupation while generation runs (SGLang asserts the scheduler is idle instead);
+- resume_memory_occupation of a tag that is not released (SGLang's scheduler fails on it with a KeyError);
+- continue_generation while a weight-update session is open or the KV cache is released.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+
+MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")  # SGLang's GPU_MEMORY_ALL_TYPES
+PAUSE_MODES = ("abort", "retract", "in_place")
+SELECTORS = ("all", "target", "draft")
+
+
+class Refused(Exception):
+    """An out-of-order or invalid call; `status` is the HTTP code the server answers."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class LifecycleState:
+    """What the control plane has been told so far."""
+
+    paused: bool = False
+    pause_mode: str | None = None
+    released_tags: list[str] = field(default_factory=list)
+    session_open: bool = False
+    session_selector: str | None = None
+    weight_version: str = "default"
+    sessions_completed: int = 0
+
+
+@dataclass(frozen=True)
+class Event:
+    """One control-plane call and its outcome, in arrival order."""
+
+    seq: int
+    time: float
+    method: str
+    path: str
+    body: dict | None
+    status: int
+    message: str
+    state: dict
+
+
+class Lifecycle:
+    """Thread-safe lifecycle state plus the ordered event log."""
+
+    def __init__(self, weight_version: str = "default"):
+        self.state = LifecycleState(weight_version=weight_version)
+        self.lock = threading.RLock()
+        self._events: list[Event] = []
+
+    # -- event log
+    def record(self, method: str, path: str, body: dict | None, status: int, message: str = "") -> Event:
+        with self.lock:
+            event = Event(len(self._events), time.time(), method, path, body, status, message, asdict(self.state))
+            self._events.append(event)
+            return event
+
+    def events(self, since: int = 0) -> list[Event]:
+        with self.lock:
+            return list(self._events[since:])
+
+    # -- transitions (callers hold `lock` across the check, the rank work and the commit)
+    def pause(self, mode: str) -> None:
+        if mode not in PAUSE_MODES:
+            raise Refused(f"Invalid mode: {mode!r}. Expected one of {list(PAUSE_MODES)}.")
+        self.state.paused, self.state.pause_mode = True, mode
+
+    def resume_generation(self) -> None:
+        if self.state.session_open:
+            raise Refused(
+                "loopback: a weight-update session is open; call end_weight_update before continue_generation"
+            )
+        if "kv_cache" in self.state.released_tags:
+            raise Refused("loopback: the KV cache is released; resume_memory_occupation(kv_cache) first")
+        self.state.paused, self.state.pause_mode = False, None
+
+    @staticmethod
+    def _tags(tags: list[str] | None) -> list[str]:
+        tags = list(tags or MEMORY_TAGS)
+        unknown = [t for t in tags if t not in MEMORY_TAGS]
+        if unknown:
+            raise Refused(f"unknown memory tags {unknown}; SGLang knows {list(MEMORY_TAGS)}")
+        return tags
+
+    def release_memory(self, tags: list[str] | None) -> list[str]:
+        tags = self._tags(tags)
+        if not self.state.paused:
+            raise Refused("loopback: release_memory_occupation needs an idle engine: call pause_generation first")
+        self.state.released_tags = sorted(set(self.state.released_tags) | set(tags))
+        return tags
+
+    def resume_memory(self, tags: list[str] | None) -> list[str]:
+        tags = self._tags(tags)
+        missing = [t for t in tags if t not in self.state.released_tags]
+        if missing:
+            raise Refused(f"loopback: cannot resume {missing}: not released (released: {self.state.released_tags})")
+        self.state.released_tags = sorted(set(self.state.released_tags) - set(tags))
+        return tags
+
+    def check_begin(self, selector: str) -> None:
+        if selector not in SELECTORS:
+            raise Refused(f"Invalid selector: {selector!r}. Expected one of {list(SELECTORS)}.")
+        if self.state.session_open:
+            raise Refused("a weight-update session is already open; call end_weight_update() first")
+        if not self.state.paused:
+            raise Refused("loopback: begin_weight_update while generation runs; call pause_generation first")
+
+    def begin(self, selector: str) -> None:
+        self.check_begin(selector)
+        self.state.session_open, self.state.session_selector = True, selector
+
+    def check_end(self) -> None:
+        if not self.state.session_open:
+            raise Refused("no weight-update session is open; call begin_weight_update() first")
+
+    def end(self) -> None:
+        self.check_end()
+        self.state.session_open, self.state.session_selector = False, None
+        self.state.sessions_completed += 1
+
+    def set_weight_version(self, version: str) -> None:
+        self.state.weight_version = version

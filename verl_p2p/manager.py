@@ -1,0 +1,171 @@
+"""P2PCheckpointEngineManager: the whole sync run from the driver (`rollout.checkpoint_manager_class`).
+
+verl's stock manager (the engine-only path) reaches every rollout worker through Ray and rebuilds the
+topology every sync. This manager talks to the SGLang servers directly over HTTP (lifecycle.py: abort,
+begin, connect, push, version, end, resume, with the restoring steps in `finally`), and to the trainer only
+for what must run there:
+
+- first sync, and again only when the plan changes (a replica added/removed/restarted): one `prepare` round
+  (trainer ranks' stages, once) and one `init_process_group` round carrying each rank's assignment;
+- every sync: the push itself (`actor_wg.update_weights(mode="p2p")`), with verl's `set_global_steps` stamp
+  on the replicas' server actors sent alongside it.
+
+`add_replicas` / `remove_replicas` invalidate only those replicas' cached metadata: the next sync fetches
+rank info for the new engines alone and re-plans; engines already connected are not asked again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from verl.checkpoint_engine.base import CheckpointEngineManager
+from verl.utils.ray_utils import auto_await
+
+from verl_p2p import plugin
+from verl_p2p.config import P2PConfig
+from verl_p2p.errors import P2PConfigError, P2PError
+from verl_p2p.metrics import PREFIX
+from verl_p2p.topology import SourceMeta, assign
+
+logger = logging.getLogger(__name__)
+
+
+class P2PCheckpointEngineManager(CheckpointEngineManager):
+    """CheckpointEngineManager for `checkpoint_engine.backend=p2p`; see the module docstring.
+
+    Args:
+        config: verl's CheckpointEngineConfig (backend must be `p2p`).
+        actor_wg: the trainer's worker group (ranks built a P2PCheckpointEngine in init_model).
+        replicas: verl SGLang rollout replicas with launched servers.
+    """
+
+    def __init__(self, config: Any, actor_wg: Any, replicas: list[Any]) -> None:
+        plugin.raise_load_error("backend")
+        super().__init__(config, actor_wg, replicas)
+        if self.backend != "p2p":
+            raise P2PConfigError(
+                f"P2PCheckpointEngineManager needs checkpoint_engine.backend=p2p, got {self.backend!r}: set the "
+                "backend, or drop actor_rollout_ref.rollout.checkpoint_manager_class"
+            )
+        self.p2p_config = P2PConfig.from_mapping((config.engine_kwargs or {}).get("p2p"))
+        self._lifecycle: Any = None
+        self._checked: set[int] = set()
+        self._sources: list[SourceMeta] | None = None
+        self._plan_key: tuple | None = None
+        self._generation = 0
+        self.trainer_rounds = 0  # Ray rounds to the trainer other than the per-sync push (for tests and logs)
+
+    # ---- replicas --------------------------------------------------------------------------------------------
+
+    def add_replicas(self, replicas: list[Any]) -> None:
+        super().add_replicas(replicas)
+        if self._lifecycle is not None:
+            self._lifecycle.add_adapters(self._adapters(replicas))
+
+    def remove_replicas(self, replicas: list[Any]) -> None:
+        super().remove_replicas(replicas)
+        if self._lifecycle is not None:
+            self._lifecycle.remove_adapters([r.replica_rank for r in replicas])
+        self._checked -= {r.replica_rank for r in replicas}
+
+    def _adapters(self, replicas: Sequence[Any]) -> list[Any]:
+        from verl_p2p.rollout.adapter import adapters_from_replicas
+
+        return adapters_from_replicas(replicas, self.p2p_config)
+
+    # ---- sync ------------------------------------------------------------------------------------------------
+
+    @auto_await
+    async def update_weights(self, global_steps: int | None = None) -> dict:
+        """One sync to version `global_steps`; raises (after restoring generation) when any step failed."""
+        lifecycle = self._ensure_lifecycle(global_steps)
+        await self._check_new_servers(lifecycle.adapters)
+        report = await lifecycle.sync(global_steps, lambda connection: self._push(connection, global_steps))
+        out = dict(report.metrics)
+        out.update({f"{PREFIX}phase/{name}_s": seconds for name, seconds in report.phases.items()})
+        out[f"{PREFIX}reconnected"] = float(report.reconnected)
+        return out
+
+    def _ensure_lifecycle(self, global_steps: int | None) -> Any:
+        if self._lifecycle is None:
+            from verl_p2p.checker import WeightUpdateChecker
+            from verl_p2p.lifecycle import SyncLifecycle
+
+            checker = None
+            if self.p2p_config.check_weight_update_equal:
+                checker = WeightUpdateChecker(self.p2p_config, resumed_from_checkpoint=bool(global_steps))
+            # SGLang can free the KV cache only through its memory saver, which p2p keeps off: nothing to release.
+            self._lifecycle = SyncLifecycle(
+                self._adapters(self.replicas), self.p2p_config, frees_kv=False, checker=checker
+            )
+        return self._lifecycle
+
+    async def _check_new_servers(self, adapters: Sequence[Any]) -> None:
+        from verl_p2p.rollout.launch import check_live_server_args
+
+        async def check(adapter: Any) -> None:
+            check_live_server_args(await adapter.server_info(), engine=adapter.engine, url=adapter.url)
+
+        new = [a for a in adapters if a.engine not in self._checked]
+        await asyncio.gather(*(check(a) for a in new))
+        self._checked |= {a.engine for a in new}
+
+    async def _push(self, connection: Any, global_steps: int | None) -> dict:
+        """The lifecycle's push step: (re)plan on change, then every trainer rank exports and writes."""
+        sources = await self._source_metas()
+        key = (connection.generation, tuple(sources))
+        if key != self._plan_key:
+            self._generation += 1
+            assignments = assign(
+                sources, connection.server_infos, connection.rank_infos, connection.layouts, self._generation
+            )
+            await self._on_trainer(
+                self.actor_wg.execute_checkpoint_engine(
+                    method=["init_process_group"] * len(sources), assignment=[assignments[s.rank] for s in sources]
+                )
+            )
+            self.trainer_rounds += 1
+            self._plan_key = key
+        pushes = self.actor_wg.update_weights(global_steps=global_steps, mode=self.backend)
+        stamps = [s.set_global_steps.remote(global_steps) for r in self.replicas for s in getattr(r, "servers", [])]
+        results, _ = await asyncio.gather(self._on_trainer(pushes), self._on_trainer(stamps))
+        metrics: dict = {}
+        for result in results:
+            if isinstance(result, dict):
+                metrics.update(result)
+        return metrics
+
+    async def _source_metas(self) -> list[SourceMeta]:
+        if self._sources is None:
+            world = self.actor_wg.world_size
+            answers = await self._on_trainer(self.actor_wg.execute_checkpoint_engine(["prepare"] * world))
+            self.trainer_rounds += 1
+            wrong = [i for i, a in enumerate(answers) if not isinstance(a, dict) or a.get("p2p") != "trainer"]
+            if wrong:
+                raise P2PError(f"actor rank(s) {wrong} are not p2p trainer engines (backend mismatch?)")
+            self._sources = [a["source"] for a in answers]
+        return self._sources
+
+    @staticmethod
+    async def _on_trainer(calls: Any) -> list[Any]:
+        """Results of worker-group calls: Ray ObjectRefs (waited for off the event loop) or plain values."""
+        calls = list(calls or [])
+        if not calls:
+            return []
+        import ray
+
+        if all(isinstance(c, ray.ObjectRef) for c in calls):
+            return await asyncio.to_thread(ray.get, calls)
+        return list(await asyncio.gather(*(c if inspect.isawaitable(c) else _value(c) for c in calls)))
+
+    def close(self) -> None:
+        if self._lifecycle is not None:
+            self._lifecycle.close()
+
+
+async def _value(value: Any) -> Any:
+    return value

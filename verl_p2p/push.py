@@ -1,0 +1,323 @@
+"""The trainer source's data plane (DESIGN.md section 1): HF stream -> stager -> replica.load into a transfer
+slot -> writer sends the slot to every target holding those bytes, while the next slot fills.
+
+Targets whose replicas have equal keys hold byte-identical shards, so those bytes are loaded once and
+written to each. A parameter is loaded only once all its HF inputs arrived (never half-updated); one
+larger than a slot is loaded and written chunk by chunk. At the end every parameter of every target was
+written exactly once, or the push raises naming what is missing or which targets failed.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from verl_p2p.errors import P2PError
+from verl_p2p.targets import RemoteRankInfo, TargetRank
+from verl_p2p.transfer.buffers import ALIGN, Slot, TransferBuffers
+from verl_p2p.transfer.writer import TargetFailure, WriteEntry, Writer, push_error
+
+
+class IncompletePushError(P2PError):
+    """The HF stream ended before every parameter of every target could be written."""
+
+
+class ParamPlanLike(Protocol):
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int
+    feeds: Sequence[str]
+
+
+class StagerLike(Protocol):
+    def offer(self, hf_name: str, tensor: torch.Tensor) -> list[str]: ...
+    def take(self, param_name: str) -> dict[str, torch.Tensor]: ...
+    def pending(self) -> Mapping[str, set[str]]: ...
+    def held_bytes(self) -> int: ...
+
+
+class ReplicaLike(Protocol):
+    """What push needs from `verl_p2p.replica.RankReplica`."""
+
+    key: Hashable
+    plan: Any  # .params: Mapping[str, ParamPlanLike]
+
+    def stager(self) -> StagerLike: ...
+    def load(self, param_name: str, hf_tensors: Mapping[str, torch.Tensor], dst: torch.Tensor) -> None: ...
+    def chunks(self, param_name: str, max_bytes: int) -> list[tuple[int, int]]: ...
+    def load_chunk(
+        self, param_name: str, hf_tensors: Mapping[str, torch.Tensor], offset: int, dst: torch.Tensor
+    ) -> None: ...
+
+
+@dataclass(frozen=True)
+class PushTarget:
+    """One rollout rank this source writes to, the replica producing its bytes, and what it published."""
+
+    target: TargetRank
+    replica: ReplicaLike
+    remote: RemoteRankInfo
+
+
+@dataclass
+class PushMetrics:
+    """What one push moved and where its time went (seconds are wall time on the pushing thread)."""
+
+    bytes_per_target: dict[TargetRank, int] = field(default_factory=dict)
+    loaded_bytes: int = 0  # bytes produced by replica loads (once per distinct replica key)
+    seconds_total: float = 0.0
+    seconds_hf_wait: float = 0.0  # blocked on the HF stream (trainer export)
+    seconds_stage: float = 0.0  # stager bookkeeping
+    seconds_load: float = 0.0  # replica loads into transfer slots
+    seconds_write_wait: float = 0.0  # blocked until a slot's writes returned
+    num_batches: int = 0
+    peak_staged_bytes: int = 0  # offered HF tensors still alive, at their peak
+    slot_bytes: int = 0  # bytes of the transfer slots
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes_per_target.values())
+
+    @property
+    def gbps(self) -> float:
+        return self.total_bytes / self.seconds_total / 1e9 if self.seconds_total > 0 else 0.0
+
+    def to_dict(self, prefix: str = "checkpoint_engine/p2p/") -> dict[str, float]:
+        """Flat numbers for verl's metrics."""
+        return {
+            f"{prefix}bytes": float(self.total_bytes),
+            f"{prefix}loaded_bytes": float(self.loaded_bytes),
+            f"{prefix}gbps": self.gbps,
+            f"{prefix}seconds/total": self.seconds_total,
+            f"{prefix}seconds/hf_wait": self.seconds_hf_wait,
+            f"{prefix}seconds/stage": self.seconds_stage,
+            f"{prefix}seconds/load": self.seconds_load,
+            f"{prefix}seconds/write_wait": self.seconds_write_wait,
+            f"{prefix}num_targets": float(len(self.bytes_per_target)),
+            f"{prefix}peak_staged_bytes": float(self.peak_staged_bytes),
+        }
+
+
+class _Group:
+    """Targets sharing one replica key: their bytes are loaded once and written to each."""
+
+    def __init__(self, replica: ReplicaLike, targets: list[PushTarget]) -> None:
+        self.replica = replica
+        self.targets = targets
+        self.params: Mapping[str, ParamPlanLike] = replica.plan.params
+        self.stager = replica.stager()
+        self.done: set[str] = set()
+
+    def describe(self) -> str:
+        return ", ".join(f"engine {t.target.engine} rank {t.target.rank}" for t in self.targets)
+
+    def without_feeds(self) -> list[str]:
+        """Params no HF tensor feeds (only constant fills): ready from the start."""
+        return [name for name, p in self.params.items() if not p.feeds]
+
+    def take(self, param: str) -> dict[str, torch.Tensor]:
+        """The param's HF inputs; the stager drops those no other pending param needs."""
+        if param in self.done:
+            raise IncompletePushError(
+                f"param {param!r} for {self.describe()} became ready twice (an HF tensor was streamed twice?)"
+            )
+        self.done.add(param)
+        return self.stager.take(param) if self.params[param].feeds else {}
+
+
+class _Pusher:
+    """Loads ready params into the current slot and submits them in pieces of about `flush_bytes`, so writes
+    start early and overlap the loads; a full slot is left for the other one, reused once its writes returned."""
+
+    def __init__(self, buffers: TransferBuffers, writer: Writer, metrics: PushMetrics, flush_bytes: int) -> None:
+        self.buffers = buffers
+        self.flush_bytes = flush_bytes
+        self.unsent = 0
+        self.writer = writer
+        self.metrics = metrics
+        self.failures: dict[TargetRank, TargetFailure] = {}
+        self.slot: Slot | None = None
+        self.fill = 0
+        self.entries: list[WriteEntry] = []
+        self.live_bytes = 0
+
+    # staging-memory accounting: bytes of offered HF tensors that are still alive (held by anyone)
+    def track(self, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        self.live_bytes += nbytes
+        self.metrics.peak_staged_bytes = max(self.metrics.peak_staged_bytes, self.live_bytes)
+        weakref.finalize(tensor, self._dead, nbytes)
+
+    def _dead(self, nbytes: int) -> None:
+        self.live_bytes -= nbytes
+
+    def add(self, group: _Group, param: str) -> None:
+        plan = group.params[param]
+        nbytes = int(plan.nbytes)
+        feeds = group.take(param)
+        if nbytes > self.buffers.slot_bytes or not plan.feeds:
+            for offset, length in group.replica.chunks(param, self.buffers.slot_bytes):
+                dst = self._space(length)
+                t0 = time.perf_counter()
+                group.replica.load_chunk(param, feeds, offset, dst)
+                self.metrics.seconds_load += time.perf_counter() - t0
+                self._entries(group, param, offset, dst, length)
+        elif nbytes > 0:
+            dst = self._space(nbytes)
+            t0 = time.perf_counter()
+            group.replica.load(param, feeds, dst)
+            self.metrics.seconds_load += time.perf_counter() - t0
+            self._entries(group, param, 0, dst, nbytes)
+
+    def _entries(self, group: _Group, param: str, offset: int, dst: torch.Tensor, nbytes: int) -> None:
+        self.metrics.loaded_bytes += nbytes
+        self.unsent += nbytes
+        for t in group.targets:
+            if t.target not in self.failures:
+                self.entries.append(WriteEntry(t.target, param, offset, dst.data_ptr(), nbytes))
+        if self.unsent >= self.flush_bytes:
+            self.flush()  # start writing what is loaded; the rest of the slot keeps filling meanwhile
+
+    def _space(self, nbytes: int) -> torch.Tensor:
+        """A uint8 view of `nbytes` free bytes in the current slot, submitting it first when full."""
+        start = -(-self.fill // ALIGN) * ALIGN
+        if self.slot is None or start + nbytes > self.slot.nbytes:
+            self.flush()
+            self.slot = None
+            t0 = time.perf_counter()
+            self.slot, failures = self.buffers.next_slot()
+            self.metrics.seconds_write_wait += time.perf_counter() - t0
+            self._record(failures)
+            start = 0
+        self.fill = start + nbytes
+        return self.slot.view(start, nbytes)
+
+    def flush(self) -> None:
+        """Submit the loaded, unsent part of the current slot."""
+        if self.slot is not None and self.entries:
+            batch = self.writer.submit(self.entries)
+            self.slot.track(batch)
+            self.metrics.num_batches += 1
+            for target, n in batch.bytes_per_target.items():
+                self.metrics.bytes_per_target[target] = self.metrics.bytes_per_target.get(target, 0) + n
+        self.entries, self.unsent = [], 0
+
+    def finish(self) -> None:
+        self.flush()
+        t0 = time.perf_counter()
+        self._record(self.buffers.drain())
+        self.metrics.seconds_write_wait += time.perf_counter() - t0
+
+    def _record(self, failures: Iterable[TargetFailure]) -> None:
+        for f in failures:
+            self.failures.setdefault(f.target, f)
+
+
+def expected_params(targets: Sequence[PushTarget]) -> dict[TargetRank, dict[str, tuple[int, int]]]:
+    """`{target: {param: (numel, element_size)}}` the trainer will write (what `Writer.validate` checks)."""
+    out: dict[TargetRank, dict[str, tuple[int, int]]] = {}
+    for t in targets:
+        out[t.target] = {
+            name: (int(p.nbytes) // p.dtype.itemsize, p.dtype.itemsize) for name, p in t.replica.plan.params.items()
+        }
+    return out
+
+
+def group_targets(targets: Sequence[PushTarget]) -> list[_Group]:
+    """One group per distinct replica key (first replica of a key is used for all its targets)."""
+    by_key: dict[Hashable, list[PushTarget]] = {}
+    for t in targets:
+        by_key.setdefault(t.replica.key, []).append(t)
+    seen = set()
+    for t in targets:
+        if t.target in seen:
+            raise ValueError(f"{t.target} appears twice in the push targets")
+        seen.add(t.target)
+    return [_Group(ts[0].replica, ts) for ts in by_key.values()]
+
+
+def push(
+    hf_stream: Iterable[tuple[str, torch.Tensor]],
+    targets: Sequence[PushTarget],
+    buffers: TransferBuffers,
+    writer: Writer,
+    flush_bytes: int | None = None,
+    load_threads: int | None = 1,
+) -> PushMetrics:
+    """Write this source's bytes to every target; raises RemoteMismatchError before any write when a target's
+    published weights differ, IncompletePushError when the stream lacked inputs, TransferError when a
+    target's write failed or timed out (writes to the other targets still complete). Loaded bytes are
+    submitted in pieces of `flush_bytes` (default: an eighth of a slot). `load_threads` caps torch's
+    intra-op threads while the replica copies on CPU: its copies are memory-bound, and OpenMP's barriers
+    stall badly when the transport's threads hold the cores (measured: 0.1 vs 7 GB/s on a busy 2-core host);
+    None leaves torch's setting alone. GPU copies are unaffected."""
+    t_start = time.perf_counter()
+    for t in targets:
+        known = writer.targets.get(t.target)
+        if known is None or known.session_id != t.remote.session_id:
+            raise ValueError(
+                f"{t.target}: the writer was built for other targets/sessions; build it from these targets"
+            )
+    writer.validate(expected_params(targets))
+    groups = group_targets(targets)
+    metrics = PushMetrics(bytes_per_target={t.target: 0 for t in targets})
+    writer.reset_failures()
+    buffers.begin()
+    metrics.slot_bytes = buffers.slot_bytes_total
+    pusher = _Pusher(buffers, writer, metrics, flush_bytes or max(ALIGN, buffers.slot_bytes // 8))
+    stream = iter(hf_stream)
+    threads = torch.get_num_threads()
+    if load_threads is not None:
+        torch.set_num_threads(min(load_threads, threads))
+    try:
+        for group in groups:
+            for param in group.without_feeds():
+                pusher.add(group, param)
+        while True:
+            t0 = time.perf_counter()
+            item = next(stream, None)
+            t1 = time.perf_counter()
+            metrics.seconds_hf_wait += t1 - t0
+            if item is None:
+                break
+            hf_name, tensor = item
+            pusher.track(tensor)
+            ready = [(g, p) for g in groups for p in g.stager.offer(hf_name, tensor)]
+            metrics.seconds_stage += time.perf_counter() - t1
+            del item, tensor
+            for group, param in ready:
+                pusher.add(group, param)
+    finally:
+        torch.set_num_threads(threads)
+        pusher.finish()
+        metrics.seconds_total = time.perf_counter() - t_start
+    if pusher.failures:
+        raise push_error(pusher.failures[t] for t in sorted(pusher.failures))
+    _check_complete(groups)
+    return metrics
+
+
+def _check_complete(groups: Sequence[_Group]) -> None:
+    problems = []
+    for g in groups:
+        missing = sorted(set(g.params) - g.done)
+        if missing:
+            pending = g.stager.pending()
+            lacking = sorted({n for p in missing for n in pending.get(p, ())})
+            problems.append(
+                f"{g.describe()}: {len(missing)} param(s) not written ({missing[:5]}"
+                f"{' ...' if len(missing) > 5 else ''}); the HF stream lacked {lacking[:8]}"
+                f"{' ...' if len(lacking) > 8 else ''}"
+            )
+    if problems:
+        raise IncompletePushError(
+            "the HF stream ended before every parameter could be written; those rollout ranks now hold a mix of "
+            "old and new weights:\n  " + "\n  ".join(problems) + "\nCheck the trainer export yields every tensor of "
+            "this PP stage (export_mode, PP-local export) with the names the rollout's checkpoint uses."
+        )

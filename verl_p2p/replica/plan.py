@@ -1,0 +1,295 @@
+"""The write plan of one rollout rank: which HF tensors feed each parameter, and where their bytes land.
+
+The rank's SGLang model is built on `meta` (no memory) and its own `load_weights` runs once over meta HF
+tensors of the checkpoint's names and shapes, under a dispatch mode that records every write into a
+parameter's storage: the op, the destination geometry, and where the data came from. That gives each
+parameter's feeds (what it waits for), the geometry to replay writes by byte range (for parameters larger
+than a transfer slot) and SGLang's padding fills. The plan is validated before use: every parameter byte
+written exactly once, and (across ranks) every HF tensor used somewhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from verl_p2p.errors import UnsupportedLayoutError
+from verl_p2p.replica.rank_context import RankContext
+
+HFSpecs = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+class WritePlanError(UnsupportedLayoutError):
+    """SGLang's loader for this rank does something the replica cannot reproduce exactly."""
+
+
+@dataclass(frozen=True)
+class SourceView:
+    """A strided view of one (contiguous) HF tensor, in its elements."""
+
+    hf_name: str
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class RecordedWrite:
+    """One write SGLang's loader made into a parameter's storage (geometry in the parameter's elements)."""
+
+    op: str
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    source: SourceView | None = None
+    fill_value: float | int | bool | None = None
+    feeds: tuple[str, ...] = ()
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def replayable(self) -> bool:
+        """A copy from a view of one HF tensor, or a constant fill: replayable on any byte range."""
+        return (self.op == "copy" and self.source is not None) or self.op == "fill"
+
+
+@dataclass(frozen=True)
+class ParamPlan:
+    """What one SGLang parameter of this rank needs and how SGLang writes it."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int
+    feeds: tuple[str, ...]
+    writes: tuple[RecordedWrite, ...] = ()
+
+    @property
+    def numel(self) -> int:
+        return self.nbytes // self.dtype.itemsize
+
+    @property
+    def replayable(self) -> bool:
+        return all(w.replayable for w in self.writes)
+
+
+@dataclass(frozen=True)
+class WritePlan:
+    """Every parameter of one rank (SGLang `named_parameters()` order) and the HF tensors it was planned from."""
+
+    params: dict[str, ParamPlan]
+    hf_specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)
+
+    @property
+    def used_hf_names(self) -> set[str]:
+        return {n for p in self.params.values() for n in p.feeds}
+
+    @property
+    def unused_hf_names(self) -> list[str]:
+        """HF tensors no parameter of this rank needs (e.g. other EP ranks' experts), checkpoint order."""
+        used = self.used_hf_names
+        return [n for n in self.hf_specs if n not in used]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.params.values())
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _scalar(value):
+    if isinstance(value, torch.Tensor):
+        return None
+    return value
+
+
+class _WriteRecorder(TorchDispatchMode):
+    """Records writes into parameter storages and tracks which HF tensors every storage's data came from."""
+
+    def __init__(self, params: Mapping[str, torch.Tensor], hf: Mapping[str, torch.Tensor]):
+        super().__init__()
+        self.param_of = {_storage_key(p): name for name, p in params.items()}
+        self.dtype_of = {name: p.dtype for name, p in params.items()}
+        self.hf_of = {_storage_key(t): name for name, t in hf.items()}
+        self.origins: dict[int, frozenset[str]] = {k: frozenset([n]) for k, n in self.hf_of.items()}
+        for k in self.param_of:
+            self.origins[k] = frozenset()
+        self.writes: dict[str, list[RecordedWrite]] = {name: [] for name in params}
+        self.input_mutations: list[tuple[str, str]] = []
+
+    def _origin(self, t: torch.Tensor) -> frozenset[str]:
+        return self.origins.get(_storage_key(t), frozenset())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        flat_in = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        written = []
+        for i, arg in enumerate(func._schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                value = args[i] if i < len(args) else kwargs.get(arg.name)
+                for t in tree_flatten(value)[0]:
+                    if isinstance(t, torch.Tensor):
+                        written.append(t)
+        written_keys = {_storage_key(t) for t in written}
+        sources = [t for t in flat_in if _storage_key(t) not in written_keys]
+        origin = frozenset().union(*(self._origin(t) for t in sources)) if sources else frozenset()
+        for t in written:
+            key = _storage_key(t)
+            if key in self.param_of:
+                self._record(func, t, args, origin)
+            elif key in self.hf_of:
+                self.input_mutations.append((self.hf_of[key], str(func)))
+            self.origins[key] = self.origins.get(key, frozenset()) | origin
+        if not written:
+            in_keys = {_storage_key(t) for t in flat_in}
+            for o in tree_flatten(out)[0]:
+                if isinstance(o, torch.Tensor) and _storage_key(o) not in in_keys:
+                    self.origins[_storage_key(o)] = origin
+        return out
+
+    def _record(self, func, dst: torch.Tensor, args, origin: frozenset[str]) -> None:
+        name = self.param_of[_storage_key(dst)]
+        op, source, value = str(func), None, None
+        if func is torch.ops.aten.copy_.default:
+            op = "copy"
+            src = args[1]
+            src_name = self.hf_of.get(_storage_key(src))
+            if src_name is not None:
+                source = SourceView(src_name, src.storage_offset(), tuple(src.shape), tuple(src.stride()))
+        elif func is torch.ops.aten.fill_.Scalar:
+            op, value = "fill", _scalar(args[1])
+        elif func is torch.ops.aten.zero_.default:
+            op, value = "fill", 0
+        if dst.numel() == 0:
+            return
+        self.writes[name].append(
+            RecordedWrite(
+                op=op if dst.dtype == self.dtype_of[name] else f"{op}[{dst.dtype}]",
+                offset=dst.storage_offset(),
+                shape=tuple(dst.shape),
+                stride=tuple(dst.stride()),
+                source=source,
+                fill_value=value,
+                feeds=tuple(sorted(origin)),
+            )
+        )
+
+
+def build_meta_model(ctx: RankContext) -> torch.nn.Module:
+    """The rank's SGLang model with every parameter on `meta`, built by SGLang's own model class."""
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.model_loader.loader import _initialize_model
+    from sglang.srt.model_loader.utils import get_model_architecture, set_default_torch_dtype
+
+    with ctx:
+        # Importing model modules creates real tensors at module level: do it before entering meta.
+        get_model_architecture(ctx.model_config)
+        load_config = LoadConfig(load_format="auto", tp_rank=ctx.layout.tp_rank)
+        with set_default_torch_dtype(ctx.model_config.dtype), torch.device("meta"):
+            model = _initialize_model(ctx.model_config, load_config, None)
+    return model.eval()
+
+
+def meta_hf_tensors(hf_specs: HFSpecs) -> dict[str, torch.Tensor]:
+    return {name: torch.empty(tuple(shape), dtype=dtype, device="meta") for name, (shape, dtype) in hf_specs.items()}
+
+
+def capture_write_plan(ctx: RankContext, model: torch.nn.Module, hf_specs: HFSpecs) -> WritePlan:
+    """Run SGLang's `load_weights` once over meta HF tensors and record every parameter write."""
+    params = dict(model.named_parameters())
+    for name, p in params.items():
+        if p.device.type != "meta":
+            raise WritePlanError(f"parameter {name} was built on {p.device}, not meta: SGLang allocated it directly")
+        if not p.is_contiguous() or p.storage_offset() != 0:
+            raise WritePlanError(f"parameter {name} is not a contiguous tensor at offset 0; cannot address its bytes")
+    hf = meta_hf_tensors(hf_specs)
+    recorder = _WriteRecorder(params, hf)
+    with ctx, torch.no_grad(), recorder:
+        model.load_weights(iter(list(hf.items())))
+    if recorder.input_mutations:
+        raise WritePlanError(
+            f"SGLang's loader modifies its input HF tensors in place ({recorder.input_mutations[:3]}); "
+            "the replica would corrupt the caller's tensors"
+        )
+    order = {n: i for i, n in enumerate(hf_specs)}
+    plans = {}
+    for name, p in params.items():
+        writes = tuple(recorder.writes[name])
+        feeds = sorted({f for w in writes for f in w.feeds}, key=order.__getitem__)
+        plans[name] = ParamPlan(
+            name=name,
+            shape=tuple(p.shape),
+            dtype=p.dtype,
+            nbytes=p.numel() * p.element_size(),
+            feeds=tuple(feeds),
+            writes=writes,
+        )
+    plan = WritePlan(params=plans, hf_specs={k: (tuple(s), d) for k, (s, d) in hf_specs.items()})
+    validate_write_plan(plan)
+    return plan
+
+
+def _intervals(w: RecordedWrite) -> torch.Tensor:
+    """[start, end) element intervals a write covers, as an (n, 2) int64 tensor."""
+    dims = sorted(((s, st) for s, st in zip(w.shape, w.stride, strict=True) if s != 1), key=lambda d: -d[1])
+    if any(st == 0 for _, st in dims):
+        raise WritePlanError(f"a {w.op} write with a zero stride writes the same element twice")
+    block = 1
+    while dims and dims[-1][1] == block:
+        block *= dims.pop()[0]
+    starts = torch.tensor([w.offset], dtype=torch.int64)
+    for size, stride in dims:
+        starts = (starts[:, None] + torch.arange(size, dtype=torch.int64)[None, :] * stride).reshape(-1)
+    return torch.stack([starts, starts + block], dim=1)
+
+
+def validate_write_plan(plan: WritePlan) -> None:
+    """Every parameter element overwritten (copy or fill) exactly once.
+
+    Other in-place ops (a scale, an indexed put) may follow; their extent cannot be traced on meta, so
+    they do not count as coverage and only make the parameter non-replayable by byte range.
+    """
+    problems = []
+    for p in plan.params.values():
+        overwrites = [w for w in p.writes if w.op in ("copy", "fill")]
+        others = sorted({w.op for w in p.writes if w.op not in ("copy", "fill")})
+        hint = f" (also written by {others}, whose extent cannot be traced)" if others else ""
+        if not overwrites:
+            problems.append(f"{p.name}: no checkpoint tensor overwrites it{hint}; the rollout keeps other values")
+            continue
+        iv = torch.cat([_intervals(w) for w in overwrites])
+        iv = iv[torch.argsort(iv[:, 0])]
+        if int(iv[0, 0]) < 0 or int(iv[:, 1].max()) > p.numel:
+            problems.append(f"{p.name}: a write falls outside the parameter")
+        elif bool((iv[1:, 0] < iv[:-1, 1]).any()):
+            problems.append(f"{p.name}: some elements are written twice")
+        elif int((iv[:, 1] - iv[:, 0]).sum()) != p.numel:
+            missing = p.numel - int((iv[:, 1] - iv[:, 0]).sum())
+            problems.append(f"{p.name}: {missing} of {p.numel} elements are never written{hint}")
+    if problems:
+        raise WritePlanError("write plan check failed: " + "; ".join(problems))
+
+
+def check_hf_coverage(plans: Sequence[WritePlan], hf_names: Iterable[str] | None = None) -> None:
+    """Every HF tensor lands on some rank; otherwise SGLang ignores it (a name mismatch loses an update)."""
+    plans = list(plans)
+    names = list(hf_names) if hf_names is not None else list(plans[0].hf_specs) if plans else []
+    used = set().union(*(p.used_hf_names for p in plans)) if plans else set()
+    lost = [n for n in names if n not in used]
+    if lost:
+        raise WritePlanError(
+            f"{len(lost)} HF tensors reach no rollout rank's parameters, e.g. {lost[:5]}: SGLang's loader skips "
+            "them (check the exported names, e.g. per-expert names for MoE, and the rollout's model class)"
+        )

@@ -1,0 +1,495 @@
+"""Be "TP rank r of this rollout layout" inside one process, without a distributed world.
+
+SGLang's model classes and weight loaders ask the parallel state who they are (tp rank, attention-TP rank,
+expert-parallel rank, ...), read the global server args, the MoE backend config, the DP-attention flags
+and the expert-location map. A `RankContext` prepares all of that for one rank of one layout and installs
+it while entered, so SGLang builds and loads exactly the shard that rank holds. The group objects are
+stand-ins (`StandInGroup`): they answer every question about membership and refuse communication.
+
+SGLang 0.5.12 keeps this state in module globals; 0.5.23 keeps it in a per-context `RuntimeContext`. One
+adapter per version; neither is thread-safe, so every entry takes one module lock (re-entrant).
+"""
+
+from __future__ import annotations
+
+import atexit
+import copy
+import dataclasses
+import dis
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from verl_p2p.errors import UnsupportedLayoutError
+from verl_p2p.layout import RankLayout, check_reproducible, layout_from_server_args
+
+_LOCK = threading.RLock()
+
+# Tested SGLang releases and the adapter that reproduces their rank state.
+SUPPORTED_SGLANG_VERSIONS = {"0.5.12": "module_globals", "0.5.23": "runtime_context"}
+
+# Server-args fields that name one engine instance (ports, hosts, paths, logs), not the bytes it holds.
+INSTANCE_FIELDS = frozenset(
+    {
+        "model_path",
+        "tokenizer_path",
+        "host",
+        "port",
+        "nccl_port",
+        "dist_init_addr",
+        "engine_info_bootstrap_port",
+        "disaggregation_bootstrap_port",
+        "base_gpu_id",
+        "gpu_id_step",
+        "node_rank",
+        "served_model_name",
+        "api_key",
+        "admin_api_key",
+        "random_seed",
+        "log_level",
+        "log_level_http",
+        "log_requests",
+        "log_requests_level",
+        "enable_metrics",
+        "file_storage_path",
+        "crash_dump_folder",
+        "version",
+        "weight_version",
+        "download_dir",
+        "decrypted_config_file",
+        "decrypted_draft_config_file",
+        "remote_instance_weight_loader_seed_instance_ip",
+        "remote_instance_weight_loader_seed_instance_service_port",
+        "remote_instance_weight_loader_send_weights_group_ports",
+    }
+)
+
+
+class UnsupportedSGLangVersionError(UnsupportedLayoutError):
+    """The installed SGLang release has no rank-context adapter here."""
+
+
+class StandInGroup:
+    """Stand-in for SGLang's `GroupCoordinator`: membership answers, no communication.
+
+    One fresh object per group per rank context; never mutated after construction.
+    """
+
+    def __init__(self, name: str, ranks: list[int], rank: int):
+        if rank not in ranks:
+            raise ValueError(f"rank {rank} is not a member of group {name} {ranks}")
+        self.unique_name = f"verl_p2p_stand_in:{name}"
+        self.group_name = name
+        self.ranks = list(ranks)
+        self.rank = rank
+        self.local_rank = rank
+        self.world_size = len(ranks)
+        self.rank_in_group = self.ranks.index(rank)
+        self.first_rank = self.ranks[0]
+        self.last_rank = self.ranks[-1]
+        self.is_first_rank = rank == self.first_rank
+        self.is_last_rank = rank == self.last_rank
+        self.next_rank = self.ranks[(self.rank_in_group + 1) % self.world_size]
+        self.prev_rank = self.ranks[(self.rank_in_group - 1) % self.world_size]
+        self.device = torch.device("cpu")
+        self.local_size = self.world_size
+        self.cpu_group = None
+        self.device_group = None
+        for flag in ("use_pynccl", "use_pymscclpp", "use_custom_allreduce", "use_torch_symm_mem_all_reduce"):
+            setattr(self, flag, False)
+        for comm in ("pynccl_comm", "pymscclpp_comm", "ca_comm", "qr_comm", "torch_symm_mem_comm", "mq_broadcaster"):
+            setattr(self, comm, None)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(
+            f"{self.unique_name} (verl_p2p rank-context stand-in) has no {name!r}: the replica builds and loads "
+            "weights without communication; if this SGLang release needs it there, extend StandInGroup"
+        )
+
+    def __repr__(self) -> str:
+        return f"StandInGroup({self.group_name}, ranks={self.ranks}, rank={self.rank})"
+
+
+def group_ranks(layout: RankLayout) -> dict[str, list[int]]:
+    """The global ranks of every parallel group rank `layout.tp_rank` belongs to (rollout PP is 1)."""
+    r, t = layout.tp_rank, layout.tp_size
+    attn_start = layout.attn_dp_rank * layout.attn_tp_size
+    moe_tp_start = layout.moe_ep_rank * layout.moe_tp_size
+    return {
+        "world": list(range(t)),
+        "tp": list(range(t)),
+        "pp": [r],
+        "attn_tp": list(range(attn_start, attn_start + layout.attn_tp_size)),
+        "attn_cp": [r],
+        "moe_dp": [r],
+        "moe_tp": list(range(moe_tp_start, moe_tp_start + layout.moe_tp_size)),
+        "moe_ep": [layout.moe_tp_rank + k * layout.moe_tp_size for k in range(layout.ep_size)],
+    }
+
+
+def stand_in_groups(layout: RankLayout) -> dict[str, StandInGroup]:
+    """A fresh set of stand-in groups for one rank; like SGLang, a group spanning the TP group *is* it."""
+    ranks = group_ranks(layout)
+    groups = {"world": StandInGroup("world", ranks["world"], layout.tp_rank)}
+    groups["tp"] = StandInGroup("tp", ranks["tp"], layout.tp_rank)
+    for name, members in ranks.items():
+        if name not in groups:
+            same = members == ranks["tp"] and name != "pp"
+            groups[name] = groups["tp"] if same else StandInGroup(name, members, layout.tp_rank)
+    return groups
+
+
+def sglang_version() -> str:
+    import sglang
+
+    return str(sglang.__version__)
+
+
+def base_version(version: str) -> str:
+    """'0.5.12' from '0.5.12', '0.5.12.post1' or '0.5.12+local'."""
+    return ".".join(re.split(r"[+]", str(version))[0].split(".")[:3])
+
+
+def _adapter_kind(version: str) -> str:
+    kind = SUPPORTED_SGLANG_VERSIONS.get(base_version(version))
+    if kind is None:
+        raise UnsupportedSGLangVersionError(
+            f"SGLang {version} is not supported by the p2p replica (supported: "
+            f"{', '.join(SUPPORTED_SGLANG_VERSIONS)}); install one of those on the trainer, or add and test an "
+            "adapter in verl_p2p/replica/rank_context.py"
+        )
+    return kind
+
+
+def hf_config_dict(hf_config: Any) -> dict:
+    if isinstance(hf_config, Mapping):
+        return dict(hf_config)
+    to_dict = getattr(hf_config, "to_dict", None)
+    if to_dict is None:
+        raise TypeError(f"hf_config must be a dict or a transformers PretrainedConfig, got {type(hf_config)}")
+    return to_dict()
+
+
+_CONFIG_DIRS: dict[str, str] = {}
+
+
+def checkpoint_config_dir(hf_config: Any) -> str:
+    """A directory holding only `config.json` of `hf_config` (SGLang's ModelConfig reads configs from a path)."""
+    text = json.dumps(hf_config_dict(hf_config), sort_keys=True, default=str)
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    with _LOCK:
+        path = _CONFIG_DIRS.get(digest)
+        if path is None or not os.path.exists(os.path.join(path, "config.json")):
+            path = tempfile.mkdtemp(prefix=f"verl_p2p_cfg_{digest}_")
+            with open(os.path.join(path, "config.json"), "w") as f:
+                f.write(text)
+            _CONFIG_DIRS[digest] = path
+            atexit.register(shutil.rmtree, path, True)
+    return path
+
+
+def server_args_fingerprint(server_args: Mapping[str, Any]) -> str:
+    """Digest of the server args that decide a rank's bytes (instance fields such as ports left out)."""
+    relevant = {k: v for k, v in server_args.items() if k not in INSTANCE_FIELDS}
+    return hashlib.sha256(json.dumps(relevant, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _check_model_level(server_args: Mapping[str, Any], hf: dict) -> None:
+    problems = []
+    quant = server_args.get("quantization") or hf.get("quantization_config")
+    if quant:
+        problems.append(
+            f"quantization {quant!r}: post-load weight processing runs on the rollout GPU and is not reproduced; "
+            "serve the rollout unquantized"
+        )
+    backend = str(server_args.get("moe_runner_backend") or "auto")
+    if backend.startswith("flashinfer_trtllm") or backend == "flashinfer_mxfp4":
+        problems.append(
+            f"moe_runner_backend={backend!r} reorders expert weights after loading on the GPU; use 'auto' or 'triton'"
+        )
+    a2a = str(server_args.get("moe_a2a_backend") or "none")
+    if a2a not in ("none", "None"):
+        problems.append(f"moe_a2a_backend={a2a!r} is not supported by the replica; use 'none'")
+    if server_args.get("enable_lora"):
+        problems.append("LoRA adapters are not supported; turn enable_lora off")
+    if problems:
+        raise UnsupportedLayoutError("p2p replica cannot reproduce this rollout: " + "; ".join(problems))
+
+
+class RankContext:
+    """SGLang's rank state for one rollout rank; `with ctx:` installs it (serialized, re-entrant)."""
+
+    def __init__(self, server_args: Mapping[str, Any], layout: RankLayout, hf_config: Any):
+        check_reproducible(server_args)
+        derived = layout_from_server_args(server_args, layout.tp_rank)
+        if derived != layout:
+            raise UnsupportedLayoutError(
+                f"rank layout {layout} disagrees with the one its server args give ({derived}); "
+                "pass the layout derived from the same /server_info"
+            )
+        self.version = sglang_version()
+        kind = _adapter_kind(self.version)
+        served = server_args.get("version")
+        if served and base_version(served) != base_version(self.version):
+            raise UnsupportedLayoutError(
+                f"the rollout runs SGLang {served}, this trainer has SGLang {self.version}: the replica reproduces "
+                "the bytes of its own release only; install the rollout's SGLang release on the trainer"
+            )
+        self.layout = layout
+        self.server_args_in = dict(server_args)
+        hf = hf_config_dict(hf_config)
+        _check_model_level(server_args, hf)
+        self.config_dir = checkpoint_config_dir(hf)
+        self._depth = 0
+        with _LOCK:
+            self._adapter = _GlobalsAdapter(self) if kind == "module_globals" else _RuntimeContextAdapter(self)
+        self.server_args = self._adapter.server_args
+        self.model_config = self._adapter.model_config
+
+    @property
+    def key(self) -> tuple:
+        """Equal for ranks that hold equal bytes (same SGLang release, layout, relevant server args)."""
+        return (base_version(self.version), self.layout.key, server_args_fingerprint(self._adapter.fields_used))
+
+    def __enter__(self) -> RankContext:
+        _LOCK.acquire()
+        try:
+            if self._depth == 0:
+                self._adapter.activate()
+            self._depth += 1
+        except BaseException:
+            _LOCK.release()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self._depth -= 1
+            if self._depth == 0:
+                self._adapter.deactivate()
+        finally:
+            _LOCK.release()
+
+
+def rank_context(server_args: Mapping[str, Any], layout: RankLayout, hf_config: Any) -> RankContext:
+    """The rank state of rollout rank `layout.tp_rank`; use as `with rank_context(...) as ctx:`."""
+    return RankContext(server_args, layout, hf_config)
+
+
+def _sglang_field_values(server_args: Mapping[str, Any], names: set[str]) -> dict:
+    """The ServerArgs fields of the installed release found in `server_args`, instance fields left out."""
+    return {k: v for k, v in server_args.items() if k in names and k not in INSTANCE_FIELDS}
+
+
+def _with_config_dir(values: dict, names: set[str], config_dir: str) -> dict:
+    values = dict(values, model_path=config_dir)
+    if "tokenizer_path" in names:
+        values["tokenizer_path"] = config_dir
+    return values
+
+
+class _ModuleState:
+    """Saves, installs and restores named globals of SGLang modules."""
+
+    def __init__(self, modules: list):
+        self.modules = modules
+        self.ours: list[dict] = [{} for _ in modules]
+        self._saved: list[dict] | None = None
+
+    def capture(self, run, initializers) -> None:
+        """Run SGLang's own initializers once; keep every global they assign as this rank's value."""
+        assigned: dict[str, set[str]] = {}
+        for f in initializers:
+            stores = {i.argval for i in dis.get_instructions(f) if i.opname == "STORE_GLOBAL"}
+            assigned.setdefault(f.__module__, set()).update(stores)
+        before = [dict(vars(m)) for m in self.modules]
+        try:
+            run()
+            for i, m in enumerate(self.modules):
+                now = vars(m)
+                changed = {k for k in now if k not in before[i] or now[k] is not before[i][k]}
+                own = {k for k in assigned.get(m.__name__, ()) if k in now}
+                self.ours[i].update({k: now[k] for k in changed | own})
+        finally:
+            self._restore(before)
+
+    def set(self, module, name: str, value: Any) -> None:
+        self.ours[self.modules.index(module)][name] = value
+
+    def activate(self) -> None:
+        self._saved = [{k: vars(m).get(k, _MISSING) for k in self.ours[i]} for i, m in enumerate(self.modules)]
+        for i, m in enumerate(self.modules):
+            for k, v in self.ours[i].items():
+                setattr(m, k, v)
+
+    def deactivate(self) -> None:
+        saved, self._saved = self._saved, None
+        if saved is not None:
+            self._restore(saved)
+
+    def _restore(self, saved: list[dict]) -> None:
+        for i, m in enumerate(self.modules):
+            for k, v in saved[i].items():
+                if v is _MISSING:
+                    vars(m).pop(k, None)
+                else:
+                    setattr(m, k, v)
+
+
+_MISSING = object()
+
+
+class _GlobalsAdapter:
+    """SGLang 0.5.12: parallel groups, DP-attention flags, MoE config, server args and expert map are globals."""
+
+    def __init__(self, ctx: RankContext):
+        import sglang.srt.distributed.parallel_state as ps
+        import sglang.srt.eplb.expert_location as el
+        import sglang.srt.layers.dp_attention as dpa
+        import sglang.srt.layers.moe.utils as moe_utils
+        import sglang.srt.server_args as sa_mod
+        from sglang.srt.configs.model_config import ModelConfig
+        from sglang.srt.layers.moe import initialize_moe_config
+        from sglang.srt.server_args import ServerArgs
+
+        layout = ctx.layout
+        names = {f.name for f in dataclasses.fields(ServerArgs)}
+        # /server_info carries resolved values: build the record without re-running __post_init__.
+        record = object.__new__(ServerArgs)
+        for f in dataclasses.fields(ServerArgs):
+            if f.default is not dataclasses.MISSING:
+                value = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                value = f.default_factory()
+            else:
+                value = None
+            setattr(record, f.name, value)
+        self.fields_used = _sglang_field_values(ctx.server_args_in, names)
+        for k, v in _with_config_dir(self.fields_used, names, ctx.config_dir).items():
+            setattr(record, k, v)
+        if record.device is None:
+            record.device = "cuda"
+        self.server_args = record
+        self.model_config = ModelConfig.from_server_args(record)
+        self.state = _ModuleState([ps, dpa, moe_utils, sa_mod, el])
+        groups = stand_in_groups(layout)
+        for name, attr in (
+            ("world", "_WORLD"),
+            ("tp", "_TP"),
+            ("pp", "_PP"),
+            ("attn_tp", "_ATTN_TP"),
+            ("attn_cp", "_ATTN_CP"),
+            ("moe_dp", "_MOE_DP"),
+            ("moe_tp", "_MOE_TP"),
+            ("moe_ep", "_MOE_EP"),
+        ):
+            self.state.set(ps, attr, groups[name])
+        self.state.set(ps, "_ENABLE_PDMUX_P_TP", False)
+        self.state.set(el, "_global_expert_location_metadata", None)
+
+        def init() -> None:
+            sa_mod.set_global_server_args_for_scheduler(record)
+            initialize_moe_config(record)
+            dpa.initialize_dp_attention(record, self.model_config)
+            on_cpu = copy.copy(record)
+            on_cpu.device = "cpu"
+            el.set_global_expert_location_metadata(
+                el.compute_initial_expert_location_metadata(on_cpu, self.model_config, layout.moe_ep_rank)
+            )
+
+        initializers = (
+            sa_mod.set_global_server_args_for_scheduler,
+            initialize_moe_config,
+            dpa.initialize_dp_attention,
+            el.set_global_expert_location_metadata,
+        )
+        self.state.activate()
+        try:
+            self.state.capture(init, initializers)
+        finally:
+            self.state.deactivate()
+
+    def activate(self) -> None:
+        self.state.activate()
+
+    def deactivate(self) -> None:
+        self.state.deactivate()
+
+
+class _RuntimeContextAdapter:
+    """SGLang 0.5.23: one `RuntimeContext` per rank (create_context), groups stamped on its parallel state."""
+
+    def __init__(self, ctx: RankContext):
+        from sglang.srt.arg_groups.arg_utils import record_fields
+        from sglang.srt.configs.model_config import ModelConfig
+        from sglang.srt.eplb.expert_location import (
+            compute_initial_expert_location_metadata,
+            set_global_expert_location_metadata,
+        )
+        from sglang.srt.layers.dp_attention import init_dp_gathered_buffer, initialize_dp_attention
+        from sglang.srt.layers.moe import initialize_moe_config
+        from sglang.srt.runtime_context import SpawnRanks, create_context, get_device, get_parallel, use_context
+        from sglang.srt.server_args import ServerArgs
+
+        layout = ctx.layout
+        names = {f.name for f in record_fields(ServerArgs)}
+        self.fields_used = _sglang_field_values(ctx.server_args_in, names)
+        # Raw input, as the CLI would give it (nested configs as dicts); create_context resolves it.
+        record = ServerArgs(**_with_config_dir(self.fields_used, names, ctx.config_dir))
+        self.server_args = record
+        self._use_context = use_context
+        self.context = create_context(record, role="scheduler", ranks=SpawnRanks(world_rank=layout.tp_rank))
+        groups = stand_in_groups(layout)
+        stamped = {f"{name}_group": g for name, g in groups.items()}
+        with use_context(self.context):
+            parallel = get_parallel()
+            shared_tp = getattr(parallel, "shared_experts_tp_size", None)
+            if shared_tp is not None and shared_tp > 1:
+                raise UnsupportedLayoutError(
+                    f"shared_experts_tp_size={shared_tp} is not supported by the replica; leave it unset"
+                )
+            if parallel.attn_dcp_size > 1:
+                raise UnsupportedLayoutError("decode context parallelism (dcp_size > 1) is not supported")
+            parallel.override_permanently(**stamped)
+            self.model_config = ModelConfig.from_server_args(record)
+            initialize_moe_config()
+            initialize_dp_attention(record)
+            init_dp_gathered_buffer(self.model_config)
+            with get_device().override(device="cpu"):
+                metadata = compute_initial_expert_location_metadata(
+                    model_config=self.model_config, moe_ep_rank=layout.moe_ep_rank
+                )
+            set_global_expert_location_metadata(metadata, allow_overwrite=True)
+            placed = {
+                "tp_rank": parallel.tp_rank,
+                "attn_tp_rank": parallel.attn_tp_rank,
+                "attn_dp_rank": parallel.attn_dp_rank,
+                "moe_ep_rank": parallel.moe_ep_rank,
+                "moe_tp_rank": parallel.moe_tp_rank,
+            }
+        expected = {k: getattr(layout, k) for k in placed}
+        if placed != expected:
+            raise UnsupportedLayoutError(
+                f"SGLang {ctx.version} places rank {layout.tp_rank} at {placed}, the p2p layout says {expected}: "
+                "the layout arithmetic in verl_p2p/layout.py no longer matches this SGLang release"
+            )
+        self._active = None
+
+    def activate(self) -> None:
+        self._active = self._use_context(self.context)
+        self._active.__enter__()
+
+    def deactivate(self) -> None:
+        active, self._active = self._active, None
+        if active is not None:
+            active.__exit__(None, None, None)

@@ -1,0 +1,307 @@
+"""Produce one rollout rank's exact parameter bytes into transfer-buffer views, one parameter at a time.
+
+The rank's model stays on `meta`. To load a parameter, its meta tensor is swapped for a typed view of the
+destination bytes (`torch.utils.swap_tensors` keeps the Parameter object, so SGLang's `params_dict` and
+`weight_loader` still find it), SGLang's own `load_weights` runs with that parameter's feeds, and the swap
+is undone. Memory stays at the transfer buffers plus the HF tensors still awaited. A parameter larger
+than a buffer slot is produced in byte ranges by replaying the recorded writes (`plan.py`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from verl_p2p.errors import P2PError
+from verl_p2p.layout import RankLayout
+from verl_p2p.replica.plan import (
+    HFSpecs,
+    ParamPlan,
+    WritePlan,
+    build_meta_model,
+    capture_write_plan,
+)
+from verl_p2p.replica.rank_context import RankContext, hf_config_dict
+
+
+class ReplicaLoadError(P2PError):
+    """A load request the replica cannot serve as asked (wrong buffer, missing or misshaped feeds)."""
+
+
+class CompletenessStager:
+    """Holds arriving HF tensors until every parameter that needs them is complete and released.
+
+    `offer` answers the parameters that just became complete (each once); fetch their inputs with
+    `feeds(name)` and call `release(name)` once loaded (`take` does both). HF tensors no parameter of this
+    rank needs are ignored; a tensor is dropped as soon as no pending or unreleased parameter needs it.
+    """
+
+    def __init__(self, plan: WritePlan):
+        self._position = {name: i for i, name in enumerate(plan.params)}
+        self._needs: dict[str, set[str]] = {name: set(p.feeds) for name, p in plan.params.items()}
+        self._users: dict[str, set[str]] = {}
+        for name, p in plan.params.items():
+            for hf_name in p.feeds:
+                self._users.setdefault(hf_name, set()).add(name)
+        self._missing = {name: set(feeds) for name, feeds in self._needs.items() if feeds}
+        self._complete: set[str] = set()
+        self._held: dict[str, torch.Tensor] = {}
+        self._offered: set[str] = set()
+
+    def offer(self, hf_name: str, tensor: torch.Tensor) -> list[str]:
+        """Take one HF tensor; return the parameters it completed (plan order)."""
+        users = self._users.get(hf_name)
+        if not users:
+            return []
+        if hf_name in self._offered:
+            raise ReplicaLoadError(f"HF tensor {hf_name} was offered twice in one sync")
+        self._offered.add(hf_name)
+        self._held[hf_name] = tensor
+        done = []
+        for name in users:
+            missing = self._missing.get(name)
+            if missing is not None:
+                missing.discard(hf_name)
+                if not missing:
+                    del self._missing[name]
+                    self._complete.add(name)
+                    done.append(name)
+        return sorted(done, key=self._position.__getitem__)
+
+    def pending(self) -> dict[str, set[str]]:
+        """Parameters still waiting, with the HF tensors each is missing."""
+        return {name: set(missing) for name, missing in self._missing.items()}
+
+    def feeds(self, param_name: str) -> dict[str, torch.Tensor]:
+        """The HF tensors of a complete, unreleased parameter (what `RankReplica.load` takes)."""
+        if param_name not in self._complete:
+            state = "still pending" if param_name in self._missing else "not complete or already released"
+            raise ReplicaLoadError(f"parameter {param_name} is {state}: its feeds are not available")
+        return {hf_name: self._held[hf_name] for hf_name in self._needs[param_name]}
+
+    def release(self, param_name: str) -> None:
+        """The parameter was loaded: drop the HF tensors nobody else still needs."""
+        self._complete.discard(param_name)
+        for hf_name in self._needs.get(param_name, ()):
+            users = self._users[hf_name]
+            if not any(u in self._missing or u in self._complete for u in users):
+                self._held.pop(hf_name, None)
+
+    def take(self, param_name: str) -> dict[str, torch.Tensor]:
+        """`feeds` then `release`."""
+        tensors = self.feeds(param_name)
+        self.release(param_name)
+        return tensors
+
+    def held_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._held.values())
+
+
+@contextmanager
+def _swapped(param: torch.nn.Parameter, view: torch.Tensor):
+    """Make `param` (same Python object, same attributes) alias `view` for the duration."""
+    stand_in = torch.Tensor._make_subclass(type(param), view, param.requires_grad)
+    stand_in.__dict__.update(param.__dict__)
+    torch.utils.swap_tensors(param, stand_in)
+    try:
+        yield
+    finally:
+        torch.utils.swap_tensors(param, stand_in)
+
+
+def _typed_view(dst: torch.Tensor, nbytes: int, dtype: torch.dtype, what: str) -> torch.Tensor:
+    if dst.dtype != torch.uint8 or dst.dim() != 1 or not dst.is_contiguous():
+        raise ReplicaLoadError(f"{what}: dst must be a contiguous 1-D uint8 tensor, got {dst.dtype} {tuple(dst.shape)}")
+    if dst.numel() != nbytes:
+        raise ReplicaLoadError(f"{what}: dst has {dst.numel()} bytes, the rollout rank holds {nbytes}")
+    try:
+        return dst.view(dtype)
+    except RuntimeError as e:
+        raise ReplicaLoadError(
+            f"{what}: cannot view dst as {dtype} (align buffer slots to {dtype.itemsize} bytes): {e}"
+        ) from e
+
+
+def _contiguous_flat(t: torch.Tensor) -> torch.Tensor:
+    return (t if t.is_contiguous() else t.contiguous()).reshape(-1)
+
+
+def _replay(
+    chunk: torch.Tensor, c0: int, c1: int, off: int, shape: tuple, stride: tuple, src: torch.Tensor | None, fill
+) -> None:
+    """Apply one write (dst = param.as_strided(shape, stride, off)) restricted to elements [c0, c1)."""
+    if any(s == 0 for s in shape):
+        return
+    extent = sum((s - 1) * st for s, st in zip(shape, stride, strict=True))
+    lo, hi = off, off + extent + 1
+    if hi <= c0 or lo >= c1:
+        return
+    if lo >= c0 and hi <= c1:
+        target = chunk.as_strided(shape, stride, chunk.storage_offset() + off - c0)
+        if src is None:
+            target.fill_(fill)
+        else:
+            target.copy_(src)
+        return
+    d = max((i for i in range(len(shape)) if shape[i] > 1), key=lambda i: stride[i])
+    st = stride[d]
+    rest_shape = shape[:d] + shape[d + 1 :]
+    rest_stride = stride[:d] + stride[d + 1 :]
+    rest = sum((s - 1) * x for s, x in zip(rest_shape, rest_stride, strict=True))
+    first = max(0, -(-(c0 - off - rest) // st))
+    last = min(shape[d] - 1, (c1 - 1 - off) // st)
+    full_a = max(first, -(-(c0 - off) // st))
+    full_b = min(last, (c1 - 1 - off - rest) // st)
+    if full_a <= full_b:
+        n = full_b - full_a + 1
+        sub = src.narrow(d, full_a, n) if src is not None else None
+        target = chunk.as_strided(
+            shape[:d] + (n,) + shape[d + 1 :], stride, chunk.storage_offset() + off + full_a * st - c0
+        )
+        if sub is None:
+            target.fill_(fill)
+        else:
+            target.copy_(sub)
+        edges = list(range(first, full_a)) + list(range(full_b + 1, last + 1))
+    else:
+        edges = list(range(first, last + 1))
+    for i in edges:
+        sub = src.select(d, i) if src is not None else None
+        _replay(chunk, c0, c1, off + i * st, rest_shape, rest_stride, sub, fill)
+
+
+class RankReplica:
+    """HF tensors -> the exact bytes one SGLang rollout rank holds, through SGLang's own model and loaders."""
+
+    def __init__(self, ctx: RankContext, model: torch.nn.Module, plan: WritePlan, key: tuple):
+        self.ctx = ctx
+        self.model = model
+        self.plan = plan
+        self.key = key
+        self._params = dict(model.named_parameters())
+
+    @classmethod
+    def build(
+        cls,
+        hf_config: dict | Any,
+        server_args: Mapping[str, Any],
+        layout: RankLayout,
+        hf_specs: HFSpecs,
+    ) -> RankReplica:
+        """Build the rank's meta model and its write plan; rejects layouts it cannot reproduce."""
+        ctx = RankContext(server_args, layout, hf_config)
+        model = build_meta_model(ctx)
+        plan = capture_write_plan(ctx, model, hf_specs)
+        config_text = json.dumps(hf_config_dict(hf_config), sort_keys=True, default=str)
+        specs_text = json.dumps([(n, list(s), str(d)) for n, (s, d) in plan.hf_specs.items()])
+        digest = hashlib.sha256((config_text + specs_text).encode()).hexdigest()
+        return cls(ctx, model, plan, key=ctx.key + (digest,))
+
+    @property
+    def layout(self) -> RankLayout:
+        return self.ctx.layout
+
+    def stager(self) -> CompletenessStager:
+        return CompletenessStager(self.plan)
+
+    def _feeds(self, p: ParamPlan, hf_tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+        missing = [n for n in p.feeds if n not in hf_tensors]
+        if missing:
+            raise ReplicaLoadError(f"{p.name} needs HF tensors {missing} that were not given")
+        out = []
+        for n in p.feeds:
+            t = hf_tensors[n]
+            shape = self.plan.hf_specs[n][0]
+            if tuple(t.shape) != tuple(shape):
+                raise ReplicaLoadError(f"HF tensor {n} has shape {tuple(t.shape)}, the plan was built for {shape}")
+            out.append((n, t))
+        return out
+
+    def _plan(self, param_name: str) -> ParamPlan:
+        try:
+            return self.plan.params[param_name]
+        except KeyError:
+            raise ReplicaLoadError(f"{param_name} is not a parameter of rollout rank {self.layout.tp_rank}") from None
+
+    def load(self, param_name: str, hf_tensors: Mapping[str, torch.Tensor], dst: torch.Tensor) -> None:
+        """Fill `dst` (1-D uint8, exactly the parameter's bytes) with what the rollout rank holds."""
+        p = self._plan(param_name)
+        view = _typed_view(dst, p.nbytes, p.dtype, param_name).view(p.shape)
+        if not p.feeds:  # only SGLang's constant fills write it: replay them
+            self.load_chunk(param_name, {}, 0, dst)
+            return
+        feeds = self._feeds(p, hf_tensors)
+        param = self._params[param_name]
+        with self.ctx, torch.no_grad(), _swapped(param, view):
+            self.model.load_weights(iter(feeds))
+
+    def chunks(self, param_name: str, max_bytes: int) -> list[tuple[int, int]]:
+        """Byte ranges (offset, nbytes) of at most `max_bytes`, cut at expert/row boundaries."""
+        p = self._plan(param_name)
+        es = p.dtype.itemsize
+        unit = None
+        for k in range(1, max(2, len(p.shape))):
+            n = es
+            for s in p.shape[k:]:
+                n *= s
+            if n <= max_bytes:
+                unit = n
+                break
+        if unit is None:
+            row = es
+            for s in p.shape[max(1, len(p.shape) - 1) :]:
+                row *= s
+            raise ReplicaLoadError(
+                f"{param_name}: one row ({row} bytes) exceeds max_bytes={max_bytes}; use larger buffer slots"
+            )
+        step = (max_bytes // unit) * unit
+        return [(off, min(step, p.nbytes - off)) for off in range(0, p.nbytes, step)]
+
+    def load_chunk(
+        self, param_name: str, hf_tensors: Mapping[str, torch.Tensor], byte_offset: int, dst: torch.Tensor
+    ) -> None:
+        """Fill `dst` with bytes [byte_offset, byte_offset + dst.numel()) of the parameter, replaying the plan."""
+        p = self._plan(param_name)
+        es = p.dtype.itemsize
+        if byte_offset % es or dst.numel() % es or byte_offset < 0 or byte_offset + dst.numel() > p.nbytes:
+            raise ReplicaLoadError(
+                f"{param_name}: chunk [{byte_offset}, +{dst.numel()}) is not element-aligned inside {p.nbytes} bytes"
+            )
+        if not p.replayable:
+            ops = sorted({w.op for w in p.writes if not w.replayable})
+            raise ReplicaLoadError(
+                f"{param_name}: SGLang writes it with {ops}, which cannot be replayed by byte range; "
+                "use buffer slots of at least its size"
+            )
+        feeds = dict(self._feeds(p, hf_tensors))
+        chunk = _typed_view(dst, dst.numel(), p.dtype, param_name)
+        c0, c1 = byte_offset // es, (byte_offset + dst.numel()) // es
+        flat = {}
+        with torch.no_grad():
+            for w in p.writes:
+                src = None
+                if w.op == "copy":
+                    s = w.source
+                    if s.hf_name not in flat:
+                        flat[s.hf_name] = _contiguous_flat(feeds[s.hf_name])
+                    base = flat[s.hf_name]
+                    src = base.as_strided(s.shape, s.stride, base.storage_offset() + s.offset).expand(w.shape)
+                _replay(chunk, c0, c1, w.offset, w.shape, w.stride, src, w.fill_value)
+
+    def write_plan_summary(self) -> dict[str, Any]:
+        """Small, JSON-friendly description (for logs and the `plan` CLI)."""
+        return {
+            "rank": self.layout.tp_rank,
+            "params": len(self.plan.params),
+            "nbytes": self.plan.nbytes,
+            "hf_used": len(self.plan.used_hf_names),
+            "hf_unused": len(self.plan.unused_hf_names),
+        }
+
+
+__all__ = ["CompletenessStager", "RankReplica", "ReplicaLoadError"]

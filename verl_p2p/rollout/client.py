@@ -1,0 +1,365 @@
+"""Async client of one SGLang server (control plane) and its engine-info bootstrap server.
+
+The wire contract is PROTOCOL.md sections 2-3. Blocking `requests` calls run on a private thread pool,
+never on the event loop, and hold no loop-bound state: verl drives the lifecycle from `asyncio.run` in some
+trainer modes and from a long-lived loop in others, so one client must work from any loop. Every failure
+raises `RolloutCallError` naming the server, the route, the HTTP status and the server's own message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import requests
+
+from verl_p2p.errors import RolloutHTTPError
+from verl_p2p.targets import RemoteRankInfo
+
+logger = logging.getLogger(__name__)
+
+# Control-plane calls are short; the pool only bounds how many wait on sockets at once. A private pool keeps a
+# slow server from starving the loop's default executor (min(32, cores + 4) threads: 6 on a 2-core driver).
+_POOL = ThreadPoolExecutor(max_workers=64, thread_name_prefix="p2p-http")
+
+_HINTS = {
+    401: "send the server's admin API key: set checkpoint_engine.engine_kwargs.p2p.api_key",
+    403: "send the server's admin API key: set checkpoint_engine.engine_kwargs.p2p.api_key",
+}
+
+
+class RolloutCallError(RolloutHTTPError):
+    """One failed call: `status` is None when no HTTP answer came (refused, timed out, reset)."""
+
+    def __init__(self, server: str, method: str, route: str, status: int | None, message: str, hint: str = ""):
+        self.server, self.method, self.route, self.status, self.message, self.hint = (
+            server,
+            method,
+            route,
+            status,
+            message,
+            hint,
+        )
+        where = f"{server} {method} {route}"
+        what = f"HTTP {status}: {message}" if status is not None else message
+        super().__init__(f"{where}: {what}" + (f" ({hint})" if hint else ""))
+
+
+@dataclass(frozen=True)
+class RankAnswer:
+    """A rank's published info plus a digest of the raw answer: equal digests mean nothing changed."""
+
+    digest: str
+    info: RemoteRankInfo
+
+
+def normalize_url(address: str) -> str:
+    """`host:port` (what verl's `server_address` holds) or a full URL -> `http://host:port` without a slash."""
+    address = address.strip().rstrip("/")
+    return address if "://" in address else f"http://{address}"
+
+
+def message_of(response: requests.Response) -> str:
+    """The server's own error text: JSON `message`/`error`/`detail` (SGLang nests them), else the body text."""
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text.strip()[:500] or response.reason or "(empty body)"
+    return _message_in(body) or json.dumps(body)[:500]
+
+
+def _message_in(body: Any) -> str | None:
+    if isinstance(body, str):
+        return body
+    if isinstance(body, list):  # FastAPI validation errors: detail = [{"msg": ..., "loc": ...}, ...]
+        parts = [_message_in(item) for item in body]
+        return "; ".join(p for p in parts if p) or None
+    if isinstance(body, Mapping):
+        for key in ("message", "error", "detail", "msg"):
+            if key in body and body[key]:
+                found = _message_in(body[key])
+                if found:
+                    return found
+    return None
+
+
+class SGLangClient:
+    """One SGLang server (`url`, node 0's HTTP server) and optionally its bootstrap server (`bootstrap_url`).
+
+    Rank info comes from the bootstrap server when given (one hop, no proxy timeout); when it cannot be
+    reached (SGLang binds it to `server_args.host`, by default 127.0.0.1) the control plane's proxy route is
+    used instead, with one warning.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        bootstrap_url: str | None = None,
+        api_key: str | None = None,
+        timeout: float = 60.0,
+    ):
+        self.url = normalize_url(url)
+        self.bootstrap_url = normalize_url(bootstrap_url) if bootstrap_url else None
+        self.timeout = timeout
+        self._session = requests.Session()
+        adapter = requests.adapters.HTTPAdapter(pool_connections=2, pool_maxsize=32)
+        self._session.mount("http://", adapter)
+        self._session.mount("https://", adapter)
+        if api_key:
+            self._session.headers["Authorization"] = f"Bearer {api_key}"
+        self.sessions_supported: bool | None = None  # None until begin/end was called once
+        self._bootstrap_reachable = True
+        self._warned: set[str] = set()
+        self._routes: dict[tuple[str, ...], int] = {}  # route names -> index of the one this server answers
+
+    def __repr__(self) -> str:
+        return f"SGLangClient({self.url!r}, bootstrap_url={self.bootstrap_url!r})"
+
+    def close(self) -> None:
+        self._session.close()
+
+    # ---- transport -------------------------------------------------------------------------------------
+
+    async def request(
+        self,
+        method: str,
+        route: str,
+        *,
+        body: Any = None,
+        params: Mapping[str, Any] | None = None,
+        timeout: float | None = None,
+        base: str | None = None,
+    ) -> requests.Response:
+        """One call off the event loop; returns the 2xx response or raises RolloutCallError."""
+        base = base or self.url
+        timeout = self.timeout if timeout is None else timeout
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(_POOL, self._request_sync, method, base, route, body, params, timeout)
+
+    def _request_sync(self, method, base, route, body, params, timeout) -> requests.Response:
+        shown = route + ("?" + "&".join(f"{k}={v}" for k, v in params.items()) if params else "")
+        try:
+            response = self._session.request(method, base + route, json=body, params=params, timeout=timeout)
+        except requests.exceptions.ConnectionError as exc:
+            if isinstance(exc, requests.exceptions.ConnectTimeout) or "timed out" in str(exc).lower():
+                raise RolloutCallError(
+                    base, method, shown, None, f"no connection within {timeout:g} s", "is the server up?"
+                ) from exc
+            raise RolloutCallError(
+                base, method, shown, None, f"cannot connect ({_reason(exc)})", "is the server running there?"
+            ) from exc
+        except requests.exceptions.Timeout as exc:
+            raise RolloutCallError(
+                base, method, shown, None, f"no answer within {timeout:g} s", "raise engine_kwargs.p2p.http_timeout"
+            ) from exc
+        except requests.exceptions.RequestException as exc:
+            raise RolloutCallError(base, method, shown, None, f"request failed: {exc}") from exc
+        if response.status_code >= 400:
+            raise RolloutCallError(
+                base, method, shown, response.status_code, message_of(response), _HINTS.get(response.status_code, "")
+            )
+        return response
+
+    async def _json(self, method: str, route: str, **kwargs) -> Any:
+        response = await self.request(method, route, **kwargs)
+        answer = _json_or_text(response)
+        if isinstance(answer, Mapping) and answer.get("success") is False:  # an error dressed as 200
+            raise RolloutCallError(
+                kwargs.get("base") or self.url, method, route, response.status_code, _message_in(answer) or "failed"
+            )
+        return answer
+
+    async def _first_route(self, method: str, routes: Sequence[str], **kwargs) -> tuple[str, requests.Response]:
+        """Try each route name in turn while the server answers 404 (renamed or removed endpoints); the one
+        that answered is tried first next time."""
+        key = tuple(routes)
+        start = self._routes.get(key, 0)
+        for i in range(start, len(routes)):
+            try:
+                response = await self.request(method, routes[i], **kwargs)
+            except RolloutCallError as exc:
+                if exc.status != 404 or i == len(routes) - 1:
+                    raise
+                continue
+            self._routes[key] = i
+            return routes[i], response
+        raise AssertionError("unreachable")
+
+    def _warn_once(self, key: str, text: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning(text)
+
+    # ---- control plane ---------------------------------------------------------------------------------
+
+    async def health(self, timeout: float | None = None) -> None:
+        await self.request("GET", "/health", timeout=timeout)
+
+    async def server_info(self, timeout: float | None = None) -> dict[str, Any]:
+        """Every ServerArgs field + scheduler info + `version` (`/server_info`, older `/get_server_info`)."""
+        _, response = await self._first_route("GET", ("/server_info", "/get_server_info"), timeout=timeout)
+        return response.json()
+
+    async def weight_version(self, timeout: float | None = None) -> str | None:
+        """Current weight version: `/weight_version`, `/get_weight_version`, else `/model_info` (0.5.12+)."""
+        route, response = await self._first_route(
+            "GET", ("/weight_version", "/get_weight_version", "/model_info"), timeout=timeout
+        )
+        answer = _json_or_text(response)
+        if isinstance(answer, Mapping):
+            value = answer.get("weight_version", answer.get("version"))
+            return None if value is None else str(value)
+        return str(answer)
+
+    async def pause_generation(self, mode: str = "abort", timeout: float | None = None) -> Any:
+        return await self._json("POST", "/pause_generation", body={"mode": mode}, timeout=timeout)
+
+    async def continue_generation(self, timeout: float | None = None) -> Any:
+        return await self._json("POST", "/continue_generation", body={}, timeout=timeout)
+
+    async def release_memory_occupation(self, tags: Sequence[str] = ("kv_cache",), timeout: float | None = None):
+        return await self._json("POST", "/release_memory_occupation", body={"tags": list(tags)}, timeout=timeout)
+
+    async def resume_memory_occupation(self, tags: Sequence[str] = ("kv_cache",), timeout: float | None = None):
+        return await self._json("POST", "/resume_memory_occupation", body={"tags": list(tags)}, timeout=timeout)
+
+    async def flush_cache(self, timeout: float | None = None) -> Any:
+        return await self._json("POST", "/flush_cache", timeout=timeout)
+
+    async def begin_weight_update(self, selector: str = "all", timeout: float | None = None) -> bool:
+        """Open a weight-update session; False when the server predates sessions (404, SGLang < 0.5.22)."""
+        return await self._session_call("/begin_weight_update", {"selector": selector}, timeout)
+
+    async def end_weight_update(self, timeout: float | None = None) -> bool:
+        """Close the session (runs quant finalisation and post_load_weights); False when unsupported."""
+        return await self._session_call("/end_weight_update", {}, timeout)
+
+    async def _session_call(self, route: str, body: dict, timeout: float | None) -> bool:
+        if self.sessions_supported is False:
+            return False
+        try:
+            await self._json("POST", route, body=body, timeout=timeout)
+        except RolloutCallError as exc:
+            if exc.status != 404:
+                raise
+            self.sessions_supported = False
+            self._warn_once(
+                "sessions",
+                f"SGLang at {self.url} has no {route} (it predates weight-update sessions, added in 0.5.22): "
+                "continuing without sessions; post-load processing (quantization finalisation, "
+                "post_load_weights) will NOT run after weight updates on this server",
+            )
+            return False
+        self.sessions_supported = True
+        return True
+
+    async def update_weight_version(
+        self, version: str, abort_all_requests: bool = False, timeout: float | None = None
+    ) -> Any:
+        """Set the weight version; the server's default aborts every request, so False is always sent."""
+        body = {"new_version": str(version), "abort_all_requests": abort_all_requests}
+        return await self._json("POST", "/update_weight_version", body=body, timeout=timeout)
+
+    async def weights_checker(
+        self,
+        action: str,
+        *,
+        allow_quant_error: bool | None = None,
+        skip_tensor_list: Sequence[str] | None = None,
+        selector: str | None = None,
+        timeout: float | None = None,
+    ) -> Any:
+        """`snapshot` / `reset_tensors` / `compare` / `checksum`; optional fields are sent only when given
+        (the caller gates them by server version)."""
+        body: dict[str, Any] = {"action": action}
+        if allow_quant_error is not None:
+            body["allow_quant_error"] = allow_quant_error
+        if skip_tensor_list is not None:
+            body["skip_tensor_list"] = list(skip_tensor_list)
+        if selector is not None:
+            body["selector"] = selector
+        return await self._json("POST", "/weights_checker", body=body, timeout=timeout)
+
+    # ---- rank info ---------------------------------------------------------------------------------------
+
+    async def bootstrap_health(self, timeout: float | None = None) -> str:
+        if not self.bootstrap_url:
+            raise ValueError(f"{self.url}: no bootstrap_url configured")
+        response = await self.request("GET", "/health", base=self.bootstrap_url, timeout=timeout)
+        return response.text
+
+    async def rank_answer(self, rank: int, previous: RankAnswer | None = None, timeout: float | None = None):
+        """Rank `rank`'s session id and weights info plus a digest of the raw body. When the digest equals
+        `previous.digest` the answer is unchanged and `previous` comes back unparsed (the cheap per-sync test)."""
+        response = await self._rank_response(rank, timeout)
+        digest = hashlib.blake2b(response.content, digest_size=16).hexdigest()
+        if previous is not None and previous.digest == digest:
+            return previous
+        return RankAnswer(digest, self._parse_rank(response, rank))
+
+    async def get_rank_info(self, rank: int, timeout: float | None = None) -> RemoteRankInfo:
+        return (await self.rank_answer(rank, timeout=timeout)).info
+
+    async def _rank_response(self, rank: int, timeout: float | None) -> requests.Response:
+        params = {"rank": int(rank)}
+        if self.bootstrap_url and self._bootstrap_reachable:
+            try:
+                return await self.request(
+                    "GET", "/get_transfer_engine_info", params=params, base=self.bootstrap_url, timeout=timeout
+                )
+            except RolloutCallError as exc:
+                if exc.status is not None:
+                    raise
+                self._bootstrap_reachable = False
+                self._warn_once(
+                    "bootstrap",
+                    f"bootstrap server {self.bootstrap_url} unreachable ({exc.message}); reading rank info through "
+                    f"{self.url}/remote_instance_transfer_engine_info instead (SGLang binds the bootstrap server "
+                    "to server_args.host; set host to a reachable address to skip the proxy)",
+                )
+        _, response = await self._first_route(
+            "GET",
+            ("/remote_instance_transfer_engine_info", "/get_remote_instance_transfer_engine_info"),
+            params=params,
+            timeout=timeout,
+        )
+        return response
+
+    def _parse_rank(self, response: requests.Response, rank: int) -> RemoteRankInfo:
+        try:
+            return RemoteRankInfo.from_json(response.json())
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
+            url = urlsplit(response.url)
+            raise RolloutCallError(
+                f"{url.scheme}://{url.netloc}",
+                "GET",
+                f"{url.path}?{url.query}",
+                response.status_code,
+                f"rank {rank}: malformed transfer-engine info ({type(exc).__name__}: {exc}): {response.text[:200]!r}",
+                "expected {'remote_instance_transfer_engine_info': [session_id, {name: [address, numel, size]}]}",
+            ) from exc
+
+
+def _json_or_text(response: requests.Response) -> Any:
+    if not response.content:
+        return None
+    try:
+        return response.json()
+    except ValueError:
+        return response.text
+
+
+def _reason(exc: Exception) -> str:
+    text = str(exc)
+    for marker in ("Connection refused", "Name or service not known", "No route to host", "Connection reset"):
+        if marker in text:
+            return marker.lower()
+    return text[:200]

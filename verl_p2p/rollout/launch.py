@@ -1,0 +1,175 @@
+"""The SGLang server args a p2p rollout needs, their validation, and their per-replica form.
+
+A p2p rollout engine must publish its weight memory (PROTOCOL.md section 1):
+
+- `remote_instance_weight_loader_start_seed_via_transfer_engine=True`: every model-runner rank registers its
+  parameters with a Mooncake TransferEngine and publishes them to the engine's bootstrap server;
+- `enable_memory_saver=False`: SGLang silently turns the seed off when the memory saver is on (its virtual
+  allocations cannot be registered), and verl forces the saver on unless told otherwise;
+- `engine_info_bootstrap_port`: the bootstrap server's port, distinct for engines sharing a host.
+
+They are set under `actor_rollout_ref.rollout.engine_kwargs.sglang.*` (conf/p2p/default.yaml sets all three).
+verl hands one config to every replica, so the port given there is a base: each standalone replica launches
+with `base + replica_rank` (P2PSGLangReplica, registered over verl's `sglang` replica). Hybrid replicas (on
+the trainer's GPUs, synced by verl's naive path) launch with verl's own settings: they need the saver.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from verl_p2p.errors import P2PConfigError
+
+logger = logging.getLogger(__name__)
+
+SEED_FLAG = "remote_instance_weight_loader_start_seed_via_transfer_engine"
+MEMORY_SAVER = "enable_memory_saver"
+BOOTSTRAP_PORT = "engine_info_bootstrap_port"
+P2P_SERVER_ARGS = (SEED_FLAG, MEMORY_SAVER, BOOTSTRAP_PORT)
+DEFAULT_BASE_PORT = 6789  # SGLang's own default
+OVERRIDE = "actor_rollout_ref.rollout.engine_kwargs.sglang."
+
+_MEMORY_SAVER_REASON = (
+    "SGLang disables the transfer-engine seed when the memory saver is on (ServerArgs.validate_transfer_engine), "
+    "so the rollout would publish no weights for p2p to write into"
+)
+
+
+def p2p_server_args(base_port: int = DEFAULT_BASE_PORT) -> dict[str, Any]:
+    """The engine_kwargs.sglang entries p2p needs (what conf/p2p/default.yaml sets)."""
+    return {SEED_FLAG: True, MEMORY_SAVER: False, BOOTSTRAP_PORT: base_port}
+
+
+def uses_p2p(rollout_config: Any) -> bool:
+    checkpoint_engine = _get(rollout_config, "checkpoint_engine")
+    return _get(checkpoint_engine, "backend") == "p2p"
+
+
+def sglang_kwargs(rollout_config: Any) -> dict[str, Any]:
+    engine_kwargs = _get(rollout_config, "engine_kwargs") or {}
+    return dict(_get(engine_kwargs, "sglang") or {})
+
+
+def server_arg_problems(sglang: Mapping[str, Any]) -> list[str]:
+    """Each problem as "what is wrong: the override that fixes it"."""
+    problems = []
+    if sglang.get(SEED_FLAG) is not True:
+        problems.append(
+            f"{SEED_FLAG} is {sglang.get(SEED_FLAG)!r} (rollout ranks would not publish their weight memory): "
+            f"set {OVERRIDE}{SEED_FLAG}=true"
+        )
+    if MEMORY_SAVER not in sglang:
+        problems.append(
+            f"{MEMORY_SAVER} is not set, and verl launches SGLang with it on ({_MEMORY_SAVER_REASON}): "
+            f"set {OVERRIDE}{MEMORY_SAVER}=false"
+        )
+    elif sglang[MEMORY_SAVER] is not False:
+        problems.append(
+            f"{MEMORY_SAVER}={sglang[MEMORY_SAVER]!r} cannot work with p2p ({_MEMORY_SAVER_REASON}): "
+            f"set {OVERRIDE}{MEMORY_SAVER}=false"
+        )
+    port = sglang.get(BOOTSTRAP_PORT)
+    if port is None:
+        problems.append(
+            f"{BOOTSTRAP_PORT} is not set (the base port of the replicas' engine-info bootstrap servers; replica r "
+            f"uses base + r): set {OVERRIDE}{BOOTSTRAP_PORT}={DEFAULT_BASE_PORT}"
+        )
+    elif not _port(port):
+        problems.append(f"{BOOTSTRAP_PORT}={port!r} is not a TCP port: set {OVERRIDE}{BOOTSTRAP_PORT}=<1024..65535>")
+    return problems
+
+
+def check_server_args(sglang: Mapping[str, Any]) -> None:
+    problems = server_arg_problems(sglang)
+    if problems:
+        raise P2PConfigError("checkpoint_engine.backend=p2p needs these SGLang server args: " + "; ".join(problems))
+
+
+def replica_server_args(sglang: Mapping[str, Any], replica_rank: int) -> dict[str, Any]:
+    """Validated engine_kwargs.sglang for one standalone replica: its bootstrap port is base + replica_rank."""
+    check_server_args(sglang)
+    port = int(sglang[BOOTSTRAP_PORT]) + int(replica_rank)
+    if port > 65535:
+        raise P2PConfigError(
+            f"replica {replica_rank}'s bootstrap port {sglang[BOOTSTRAP_PORT]} + {replica_rank} exceeds 65535: "
+            f"lower {OVERRIDE}{BOOTSTRAP_PORT}"
+        )
+    return {**sglang, BOOTSTRAP_PORT: port}
+
+
+def hybrid_server_args(sglang: Mapping[str, Any]) -> dict[str, Any]:
+    """engine_kwargs.sglang for a hybrid replica: verl's defaults for what p2p overrides (it needs the saver)."""
+    return {k: v for k, v in sglang.items() if k not in P2P_SERVER_ARGS}
+
+
+def check_live_server_args(server_info: Mapping[str, Any], engine: int | None = None, url: str | None = None) -> None:
+    """Check a running server's effective args (`/server_info`): SGLang may have turned the seed off itself."""
+    where = f"rollout engine {engine} ({url})" if engine is not None else f"rollout server {url}"
+    if SEED_FLAG not in server_info:
+        raise P2PConfigError(
+            f"{where} (SGLang {server_info.get('version', '?')}) reports no {SEED_FLAG}: p2p needs SGLang >= 0.5.12"
+        )
+    if server_info.get(SEED_FLAG) is True:
+        return
+    if server_info.get(MEMORY_SAVER):
+        why = f"{MEMORY_SAVER} is on ({_MEMORY_SAVER_REASON}); set {OVERRIDE}{MEMORY_SAVER}=false"
+    else:
+        why = (
+            f"either {OVERRIDE}{SEED_FLAG}=true was not passed, or SGLang could not import mooncake.engine in the "
+            "server process and turned it off (install mooncake-transfer-engine where the rollout runs)"
+        )
+    raise P2PConfigError(f"{where} does not publish its weight memory ({SEED_FLAG}=false): {why}")
+
+
+# ---- per-replica launch ----------------------------------------------------------------------------------------
+
+
+def apply_to_replica(replica: Any) -> None:
+    """Give a verl SGLang replica about to launch its p2p server args (called from launch_servers)."""
+    config = replica.config
+    if (
+        not uses_p2p(config)
+        or getattr(replica, "is_reward_model", False)
+        or getattr(replica, "is_teacher_model", False)
+    ):
+        return
+    sglang = sglang_kwargs(config)
+    mode = getattr(getattr(replica, "rollout_mode", None), "value", None)
+    if mode == "hybrid":
+        new = hybrid_server_args(sglang)
+    else:
+        new = replica_server_args(sglang, replica.replica_rank)
+        logger.info("p2p: rollout replica %d bootstrap port %d", replica.replica_rank, new[BOOTSTRAP_PORT])
+    config = copy.copy(config)  # never change a config another replica may share
+    config.engine_kwargs = {**(config.engine_kwargs or {}), "sglang": new}
+    replica.config = config
+
+
+def wrap_replica_loader(original: Callable[[], type]) -> Callable[[], type]:
+    """verl's `sglang` replica loader, returning P2PSGLangReplica (which behaves as verl's unless backend=p2p)."""
+
+    def load() -> type:
+        from verl_p2p.rollout.sglang_replica import P2PSGLangReplica
+
+        return P2PSGLangReplica
+
+    load.original = original
+    return load
+
+
+def _port(value: Any) -> bool:
+    try:
+        return 1 <= int(value) <= 65535 and not isinstance(value, bool)
+    except (TypeError, ValueError):
+        return False
+
+
+def _get(obj: Any, key: str) -> Any:
+    if obj is None:
+        return None
+    if isinstance(obj, Mapping):
+        return obj.get(key)
+    return getattr(obj, key, None)

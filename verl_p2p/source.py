@@ -1,0 +1,170 @@
+"""A trainer rank's data plane, built on its first assignment and kept across syncs.
+
+Once per process: the Megatron engine (from the owning verl worker) and the stage exporter; on the first
+assignment with targets, the Mooncake transport and the two registered transfer buffers (idle ranks only run
+the export's collectives and never allocate them). Per plan generation: one RankReplica per distinct target
+layout (cached by key, so an unchanged layout is never rebuilt) and a Writer for this rank's targets.
+Every import of the heavy parts (Megatron-Bridge, SGLang model classes, Mooncake) happens here, lazily.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Hashable, Iterable
+from typing import Any
+
+from verl_p2p.config import P2PConfig
+from verl_p2p.errors import P2PError
+from verl_p2p.topology import Assignment, layout_key
+
+logger = logging.getLogger(__name__)
+
+
+def _require(what: str, fix: str):
+    """Import helper that turns an ImportError into a P2PError naming the package and the fix (chained)."""
+
+    def wrap(exc: ImportError) -> P2PError:
+        return P2PError(f"p2p trainer source needs {what} ({type(exc).__name__}: {exc}); {fix}")
+
+    return wrap
+
+
+_NO_BRIDGE = _require(
+    "Megatron-Bridge and megatron-core", "install verl's Megatron stack (`pip install verl-p2p[megatron]`)"
+)
+_NO_SGLANG = _require(
+    "SGLang's model classes", "install the rollout's SGLang release on the trainer (`pip install verl-p2p[sglang]`)"
+)
+
+
+class SourceSession:
+    """Everything one trainer rank needs to export its stage and write it to its targets."""
+
+    def __init__(self, config: P2PConfig, owner: Any, hostname: str | None = None, checkpoint_engine: Any = None):
+        try:
+            from verl_p2p.verl_engine import engine_exporter, find_megatron_engine, find_owning_worker
+        except ImportError as exc:
+            raise _NO_BRIDGE(exc) from exc
+        if owner is None:  # the engine was not built inside a verl worker method: find the worker holding it
+            owner = find_owning_worker(checkpoint_engine)
+        if config.transport != "mooncake":
+            raise P2PError(f"engine_kwargs.p2p.transport={config.transport!r} is not wired yet; use 'mooncake'")
+        self.config = config
+        self.hostname = hostname
+        self.engine = find_megatron_engine(owner)
+        self.exporter = engine_exporter(self.engine, mode=config.export_mode)
+        self.transport = None
+        self.buffers = None
+        self._save_hook = None
+        self._replicas: dict[Hashable, Any] = {}
+        self._hf_specs = None
+        self.assignment: Assignment | None = None
+        self.writer = None
+        self.targets: list[Any] = []
+        self.stage = None
+
+    # ---- per generation ------------------------------------------------------------------------------------
+
+    def apply(self, assignment: Assignment) -> None:
+        """Take plan `assignment.generation`: build replicas for new layouts and a writer for these targets."""
+        from verl_p2p.export_stage import ExportStage
+        from verl_p2p.push import PushTarget
+        from verl_p2p.transfer.writer import Writer
+
+        self.stage = ExportStage(
+            rank=assignment.rank,
+            pp_rank=assignment.pp_stage,
+            pp_size=assignment.pp_size,
+            ranks=assignment.stage_ranks,
+            senders=assignment.stage_senders,
+        )
+        if assignment.targets:
+            self._open_transport()
+        targets = []
+        for target in assignment.targets:
+            server_info = assignment.server_infos[target.engine]
+            replica = self._replica(server_info, assignment.layouts[target])
+            targets.append(PushTarget(target, replica, assignment.rank_infos[target]))
+        if self.writer is not None:
+            self.writer.close()
+        self.writer = (
+            Writer(
+                self.transport,
+                dict(assignment.rank_infos),
+                timeout_s=self.config.p2p_transfer_timeout,
+                num_workers=self.config.p2p_transfer_num_workers,
+            )
+            if targets
+            else None
+        )
+        self.targets, self.assignment = targets, assignment
+
+    def _open_transport(self) -> None:
+        """The Mooncake endpoint and the registered transfer buffers, once (senders only)."""
+        if self.transport is not None:
+            return
+        from verl_p2p.transfer.buffers import TransferBuffers
+        from verl_p2p.transfer.mooncake import MooncakeTransport
+
+        config = self.config
+        self.transport = MooncakeTransport(
+            self.hostname or _node_ip(), config.protocol, config.device_name, timeout_s=config.p2p_transfer_timeout
+        )
+        self.buffers = TransferBuffers(config.bucket_size_bytes, self.transport)
+        if config.release_buffers_on_save:
+            from verl_p2p.verl_engine import release_buffers_around_save
+
+            self._save_hook = release_buffers_around_save(self.engine, self.buffers)
+
+    def _replica(self, server_info, layout) -> Any:
+        key = layout_key(server_info, layout)
+        if key not in self._replicas:
+            try:
+                from verl_p2p.replica import RankReplica
+            except ImportError as exc:
+                raise _NO_SGLANG(exc) from exc
+            model_config = self.engine.model_config
+            self._replicas[key] = RankReplica.build(model_config.hf_config, server_info, layout, self._specs())
+        return self._replicas[key]
+
+    def _specs(self):
+        if self._hf_specs is None:
+            from verl_p2p.hf_specs import hf_specs_from_checkpoint
+
+            self._hf_specs = hf_specs_from_checkpoint(self.engine.model_config.local_path)
+        return self._hf_specs
+
+    # ---- per sync ------------------------------------------------------------------------------------------
+
+    def stream(self) -> Iterable:
+        from verl_p2p.export_stage import drive_export
+        from verl_p2p.verl_engine import export_engine_stage
+
+        return drive_export(self.stage, export_engine_stage(self.exporter, self.engine))
+
+    def push(self) -> Any:
+        """Export this stage and write it (sender) or run the export's collectives only (idle); PushMetrics or None."""
+        if self.assignment is None:
+            raise P2PError("p2p trainer source has no plan yet: init_process_group must run before send_weights")
+        stream = self.stream()
+        if not self.targets:
+            for _ in stream:  # drive_export drains for non-senders: nothing comes out
+                pass
+            return None
+        from verl_p2p.push import push
+
+        return push(stream, self.targets, self.buffers, self.writer)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        if self._save_hook is not None:
+            self._save_hook.remove()
+        if self.buffers is not None:
+            self.buffers.release()
+
+
+def _node_ip() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address().strip("[]")

@@ -1,0 +1,180 @@
+"""Driver side of a sync: trainer sources x rollout ranks -> one `Assignment` per trainer rank.
+
+Pure apart from the small driver-process cache the engine-only path needs (verl calls `build_topology` as a
+classmethod every sync, with whatever `prepare` returned): rank info travels from each rollout leader once,
+and a trainer rank is sent its assignment only when it does not hold the current generation already.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from verl_p2p.errors import P2PError
+from verl_p2p.layout import RankLayout, layout_from_server_args
+from verl_p2p.plan import SourceRank, build_transfer_plan
+from verl_p2p.targets import RemoteRankInfo, TargetRank
+
+# server args that change the bytes a rank holds, beside its layout
+_BYTE_ARGS = ("model_path", "dtype", "quantization", "kv_cache_dtype", "json_model_override_args")
+
+
+@dataclass(frozen=True)
+class SourceMeta:
+    """What a trainer rank's `prepare()` reports: where it sits and which plan generation it holds."""
+
+    rank: int
+    pp_stage: int
+    pp_size: int = 1
+    generation: int = 0
+
+
+@dataclass(frozen=True)
+class EngineMeta:
+    """What a rollout leader's `prepare()` reports; `server_info`/`rank_infos` only until acknowledged."""
+
+    engine: int
+    digest: str
+    server_info: Mapping[str, Any] | None = None
+    rank_infos: Mapping[int, RemoteRankInfo] | None = None
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """One trainer rank's part of plan `generation`: the targets it writes its stage's bytes to."""
+
+    generation: int
+    rank: int
+    pp_stage: int
+    pp_size: int = 1
+    stage_ranks: tuple[int, ...] = ()  # every trainer rank of this stage (they export together)
+    stage_senders: tuple[int, ...] = ()  # those of them with targets
+    targets: tuple[TargetRank, ...] = ()
+    rank_infos: Mapping[TargetRank, RemoteRankInfo] = field(default_factory=dict, repr=False)
+    layouts: Mapping[TargetRank, RankLayout] = field(default_factory=dict, repr=False)
+    server_infos: Mapping[int, Mapping[str, Any]] = field(default_factory=dict, repr=False)
+
+    @property
+    def is_source(self) -> bool:
+        return bool(self.targets)
+
+
+def layout_key(server_info: Mapping[str, Any], layout: RankLayout) -> Hashable:
+    """Two ranks with equal keys hold equal bytes: same layout and same byte-relevant server args."""
+    return (layout.key, tuple(str(server_info.get(k)) for k in _BYTE_ARGS))
+
+
+def layouts_of(engine: int, server_info: Mapping[str, Any], ranks: Sequence[int]) -> dict[TargetRank, RankLayout]:
+    return {TargetRank(engine, r): layout_from_server_args(server_info, r) for r in ranks}
+
+
+def assign(
+    sources: Sequence[SourceMeta],
+    server_infos: Mapping[int, Mapping[str, Any]],
+    rank_infos: Mapping[TargetRank, RemoteRankInfo],
+    layouts: Mapping[TargetRank, RankLayout],
+    generation: int,
+) -> dict[int, Assignment]:
+    """Plan every target onto one source per PP stage; every trainer rank gets an Assignment (maybe idle)."""
+    sizes = {s.pp_size for s in sources}
+    if len(sizes) > 1:
+        raise P2PError(f"trainer ranks disagree on the pipeline size: {sorted(sizes)}")
+    held = {s.pp_stage for s in sources}
+    if sources and held != set(range(max(sizes))):
+        raise P2PError(f"trainer ranks hold pipeline stages {sorted(held)}, expected 0..{max(sizes) - 1}")
+    missing = sorted(t for t in rank_infos if t not in layouts)
+    if missing:
+        raise P2PError(f"no layout for rollout target(s) {missing[:4]}")
+    targets = sorted(rank_infos)
+    keys = {t: layout_key(server_infos[t.engine], layouts[t]) for t in targets}
+    plan = build_transfer_plan([SourceRank(s.rank, s.pp_stage) for s in sources], targets, keys)
+    stage_ranks: dict[int, list[int]] = {}
+    for s in sorted(sources, key=lambda s: s.rank):
+        stage_ranks.setdefault(s.pp_stage, []).append(s.rank)
+    result = {}
+    for source in sources:
+        mine = plan.targets_of(source.rank)
+        ranks = tuple(stage_ranks[source.pp_stage])
+        result[source.rank] = Assignment(
+            generation=generation,
+            rank=source.rank,
+            pp_stage=source.pp_stage,
+            pp_size=source.pp_size,
+            stage_ranks=ranks,
+            stage_senders=tuple(r for r in ranks if plan.targets_of(r)),
+            targets=mine,
+            rank_infos={t: rank_infos[t] for t in mine},
+            layouts={t: layouts[t] for t in mine},
+            server_infos={e: server_infos[e] for e in sorted({t.engine for t in mine})},
+        )
+    return result
+
+
+@dataclass
+class _Engine:
+    digest: str
+    server_info: Mapping[str, Any]
+    rank_infos: Mapping[int, RemoteRankInfo]
+    layouts: Mapping[TargetRank, RankLayout]
+
+
+class TopologyCache:
+    """The engine-only path's driver state: published engines, the current generation and its assignments."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._engines: dict[int, _Engine] = {}
+        self._key: tuple | None = None
+        self.generation = 0
+        self.assignments: dict[int, Assignment] = {}
+
+    def update_engine(self, meta: EngineMeta) -> None:
+        known = self._engines.get(meta.engine)
+        if meta.rank_infos is None or meta.server_info is None:
+            if known is None or known.digest != meta.digest:
+                raise P2PError(
+                    f"rollout engine {meta.engine} did not send its rank info and this driver has no copy of "
+                    f"digest {meta.digest}: the driver restarted while the rollout workers kept running; "
+                    "restart the rollout replicas (or the job)"
+                )
+            return
+        if known is not None and known.digest == meta.digest:
+            return
+        ranks = sorted(meta.rank_infos)
+        tp = int(meta.server_info.get("tp_size") or 1)
+        if ranks != list(range(tp)):
+            raise P2PError(f"rollout engine {meta.engine} published ranks {ranks}, expected 0..{tp - 1} (tp_size={tp})")
+        try:
+            layouts = layouts_of(meta.engine, meta.server_info, ranks)
+        except P2PError as exc:
+            raise type(exc)(f"rollout engine {meta.engine}: {exc}") from exc
+        self._engines[meta.engine] = _Engine(meta.digest, dict(meta.server_info), dict(meta.rank_infos), layouts)
+
+    def plan(self, sources: Sequence[SourceMeta], engines: Sequence[int]) -> tuple[int, dict[int, Assignment]]:
+        """The (generation, assignments) for these sources and engines; a new generation only on change."""
+        with self._lock:
+            for gone in set(self._engines) - set(engines):
+                del self._engines[gone]
+            key = (
+                tuple(sorted((s.rank, s.pp_stage, s.pp_size) for s in sources)),
+                tuple(sorted((e, self._engines[e].digest) for e in engines)),
+            )
+            if key != self._key:
+                server_infos = {e: self._engines[e].server_info for e in engines}
+                rank_infos = {TargetRank(e, r): i for e in engines for r, i in self._engines[e].rank_infos.items()}
+                layouts = {t: lay for e in engines for t, lay in self._engines[e].layouts.items()}
+                generation = self.generation + 1
+                self.assignments = assign(sources, server_infos, rank_infos, layouts, generation)
+                self.generation, self._key = generation, key
+            return self.generation, self.assignments
+
+    def reset(self) -> None:
+        """Forget every engine; generations keep counting up so no rank mistakes a new plan for its old one."""
+        with self._lock:
+            self._engines.clear()
+            self._key, self.assignments = None, {}
+
+
+DRIVER_CACHE = TopologyCache()

@@ -1,0 +1,91 @@
+"""Mooncake TransferEngine transport (PROTOCOL.md section 4): rdma in production, tcp in tests.
+
+The rollout ranks already run Mooncake engines (SGLang's remote-instance weight loader) and publish
+`host:rpc_port` session ids, so the trainer side only needs its own engine in P2PHANDSHAKE mode.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from collections.abc import Sequence
+
+from verl_p2p.errors import TransferError
+from verl_p2p.transfer.base import check_rc
+
+_INSTALL_HINT = (
+    "install Mooncake: `pip install mooncake-transfer-engine` on CUDA hosts "
+    "(or mooncake-transfer-engine-cuda13), `pip install mooncake-transfer-engine-non-cuda` on CPU-only hosts "
+    "(needs the libibverbs1 system package)"
+)
+
+# Mooncake reads MC_TRANSFER_TIMEOUT once per process, when its first engine starts.
+_ENGINE_START_LOCK = threading.Lock()
+
+
+def import_transfer_engine():
+    """`mooncake.engine.TransferEngine`, or a TransferError naming the package to install."""
+    try:
+        from mooncake.engine import TransferEngine
+    except ImportError as exc:
+        raise TransferError(f"Mooncake is not importable ({exc}); {_INSTALL_HINT}") from exc
+    return TransferEngine
+
+
+def set_transfer_timeout_env(timeout_s: float) -> None:
+    """Make Mooncake give up on a stuck write about when our own deadline fires (it waits 30 s by default),
+    so a thread blocked on a frozen peer does not linger much past the push's failure."""
+    os.environ["MC_TRANSFER_TIMEOUT"] = str(max(1, math.ceil(timeout_s)))
+
+
+class MooncakeTransport:
+    """A Mooncake TransferEngine in P2PHANDSHAKE mode; its session id is `hostname:rpc_port`."""
+
+    def __init__(
+        self,
+        hostname: str,
+        protocol: str = "rdma",
+        device_name: str = "",
+        timeout_s: float | None = None,
+    ) -> None:
+        TransferEngine = import_transfer_engine()
+        with _ENGINE_START_LOCK:
+            if timeout_s is not None:
+                set_transfer_timeout_env(timeout_s)
+            self._engine = TransferEngine()
+            rc = self._engine.initialize(hostname, "P2PHANDSHAKE", protocol, device_name)
+        check_rc(
+            rc,
+            f"Mooncake TransferEngine.initialize(hostname={hostname!r}, protocol={protocol!r}, "
+            f"device_name={device_name!r})",
+            "check the hostname is this node's reachable address and the RDMA device names (p2p device_name)",
+        )
+        self.hostname = hostname
+        self.protocol = protocol
+        self._session_id = f"{hostname}:{self._engine.get_rpc_port()}"
+
+    @property
+    def session_id(self) -> str:
+        return self._session_id
+
+    def register(self, addr: int, nbytes: int) -> None:
+        check_rc(self._engine.register_memory(addr, nbytes), f"Mooncake register_memory({addr:#x}, {nbytes})")
+
+    def unregister(self, addr: int) -> None:
+        check_rc(self._engine.unregister_memory(addr), f"Mooncake unregister_memory({addr:#x})")
+
+    def write(
+        self, session_id: str, local_addrs: Sequence[int], remote_addrs: Sequence[int], lengths: Sequence[int]
+    ) -> None:
+        if not lengths:
+            return
+        rc = self._engine.batch_transfer_sync_write(session_id, list(local_addrs), list(remote_addrs), list(lengths))
+        check_rc(
+            rc,
+            f"Mooncake batch write of {len(lengths)} ranges ({sum(lengths)} bytes) to session {session_id}",
+            "the peer is gone, frozen or unreachable",
+        )
+
+    def __repr__(self) -> str:
+        return f"MooncakeTransport(session_id={self._session_id!r}, protocol={self.protocol!r})"

@@ -1,0 +1,307 @@
+"""Per-target write lanes with our own deadline, and size/name validation before any byte moves.
+
+Each rollout target (engine, rank) gets one lane: a thread that issues that target's batch writes in
+order, so a dead or frozen target never delays the others. At most `num_workers` transport calls run at
+once. Mooncake's sync write blocks on a frozen peer until its own timeout; we do not wait for it: a
+target's write that passes `timeout_s` fails the target at once, its lane may stay blocked (the buffer
+slot it reads from stays quarantined until the call returns), later writes to it are dropped, and
+writes to every other target carry on.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from verl_p2p.errors import RemoteMismatchError, TransferError
+from verl_p2p.targets import RemoteRankInfo, TargetRank
+from verl_p2p.transfer.base import Transport
+
+logger = logging.getLogger(__name__)
+
+_MISMATCH_FIX = (
+    "the rollout and the trainer disagree on the model (architecture/config), the dtype or the parallel layout: "
+    "check both load the same checkpoint with the same dtype and that the rollout's server args "
+    "(tp/ep/dp-attention) are the ones p2p connected with (reconnect after a rollout restart)"
+)
+
+
+@dataclass(frozen=True)
+class WriteEntry:
+    """`nbytes` local bytes at `local_addr` go to byte `offset` of `param` on `target`."""
+
+    target: TargetRank
+    param: str
+    offset: int
+    local_addr: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class TargetFailure:
+    """Why a target's bytes are unknown after a push."""
+
+    target: TargetRank
+    session_id: str
+    reason: str
+
+    def describe(self) -> str:
+        return f"engine {self.target.engine} rank {self.target.rank} (session {self.session_id}): {self.reason}"
+
+
+@dataclass(eq=False)
+class _Job:
+    """One target's share of one batch: a single transport call."""
+
+    target: TargetRank
+    session_id: str
+    local: list[int]
+    remote: list[int]
+    lengths: list[int]
+    batch: WriteBatch
+    started: float | None = None
+    done: bool = False
+    cancelled: bool = False
+    error: str | None = None
+
+
+@dataclass(eq=False)
+class WriteBatch:
+    """The writes reading one buffer slot. `wait()` enforces the deadline; `settled` is set once every
+    transport call that reads the slot really returned (a timed-out call may return much later)."""
+
+    writer: Writer
+    jobs: list[_Job] = field(default_factory=list)
+    settled: threading.Event = field(default_factory=threading.Event)
+    bytes_per_target: dict[TargetRank, int] = field(default_factory=dict)
+
+    def wait(self) -> list[TargetFailure]:
+        """Block until every target's write returned or timed out; the failures (empty when all landed)."""
+        return self.writer._wait(self)
+
+    def _job_finished(self) -> None:
+        if all(j.done for j in self.jobs):
+            self.settled.set()
+
+
+class _Lane:
+    """The thread that writes to one target, in submission order."""
+
+    def __init__(self, writer: Writer, target: TargetRank) -> None:
+        self.writer = writer
+        self.target = target
+        self.jobs: queue.Queue[_Job | None] = queue.Queue()
+        self.busy = False
+        self.thread = threading.Thread(target=self._run, name=f"p2p-write-e{target.engine}r{target.rank}", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        w = self.writer
+        while (job := self.jobs.get()) is not None:
+            with w._workers:
+                with w._cond:
+                    if job.target in w.failed and not job.done:
+                        job.cancelled = job.done = True  # the target failed: its later writes are dropped
+                        job.batch._job_finished()
+                        w._cond.notify_all()
+                    if job.cancelled:
+                        continue
+                    job.started = time.monotonic()
+                    self.busy = True
+                    w._cond.notify_all()
+                try:
+                    w.transport.write(job.session_id, job.local, job.remote, job.lengths)
+                except TransferError as exc:
+                    job.error = str(exc)
+                except Exception as exc:  # noqa: BLE001 - any transport fault fails this target only
+                    job.error = f"{type(exc).__name__}: {exc}"
+                with w._cond:
+                    self.busy = False
+                    job.done = True
+                    if job.error is not None:
+                        w._fail(job, job.error)
+                    job.batch._job_finished()
+                    w._cond.notify_all()
+
+
+class Writer:
+    """Writes byte ranges into rollout targets' published parameters; see the module docstring."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        targets: Mapping[TargetRank, RemoteRankInfo],
+        timeout_s: float,
+        num_workers: int = 8,
+    ) -> None:
+        if timeout_s <= 0 or num_workers < 1:
+            raise ValueError(f"timeout_s={timeout_s} must be > 0 and num_workers={num_workers} >= 1")
+        self.transport = transport
+        self.targets = dict(targets)
+        self.timeout_s = float(timeout_s)
+        self.num_workers = num_workers
+        self._workers = threading.BoundedSemaphore(num_workers)
+        self._cond = threading.Condition()
+        self._lanes: dict[TargetRank, _Lane] = {}
+        self.failed: dict[TargetRank, TargetFailure] = {}
+
+    # ------------------------------------------------------------------ validation
+    def validate(self, expected: Mapping[TargetRank, Mapping[str, tuple[int, int]]]) -> None:
+        """Raise RemoteMismatchError unless every param the trainer will write is published by its target with
+        the same numel and element size. Call before any write: nothing is written when it raises."""
+        problems: list[str] = []
+        for target in sorted(expected):
+            info = self.targets.get(target)
+            if info is None:
+                problems.append(f"{target}: no published transfer-engine info (connect to it first)")
+                continue
+            where = f"engine {target.engine} rank {target.rank} (session {info.session_id})"
+            for name, (numel, element_size) in expected[target].items():
+                remote = info.params.get(name)
+                if remote is None:
+                    problems.append(f"{where}: param {name!r} is not published by the rollout")
+                elif (remote.numel, remote.element_size) != (int(numel), int(element_size)):
+                    problems.append(
+                        f"{where}: param {name!r}: trainer writes numel {numel} x {element_size} B, "
+                        f"rollout publishes numel {remote.numel} x {remote.element_size} B"
+                    )
+            extra = sorted(set(info.params) - set(expected[target]))
+            if extra:
+                logger.warning(
+                    "%s publishes %d params p2p does not write (left as they are): %s", where, len(extra), extra[:8]
+                )
+        if problems:
+            shown = "\n  ".join(problems[:20]) + (
+                f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+            )
+            raise RemoteMismatchError(
+                f"{len(problems)} mismatch(es) between trainer and rollout weights; nothing was written:\n  {shown}\n"
+                f"Likely fix: {_MISMATCH_FIX}"
+            )
+
+    # ------------------------------------------------------------------ writes
+    def reset_failures(self) -> None:
+        """Forget failed targets whose lane is idle again (start of a new push); a still-blocked one stays failed."""
+        with self._cond:
+            for target in list(self.failed):
+                lane = self._lanes.get(target)
+                if lane is None or not lane.busy:
+                    del self.failed[target]
+
+    def submit(self, entries: Iterable[WriteEntry]) -> WriteBatch:
+        """Start writing `entries` (one transport call per target, on that target's lane); returns at once."""
+        per_target: dict[TargetRank, list[WriteEntry]] = {}
+        for entry in entries:
+            if entry.nbytes > 0:
+                per_target.setdefault(entry.target, []).append(entry)
+        batch = WriteBatch(writer=self)
+        jobs = [self._job(batch, target, group) for target, group in per_target.items()]
+        with self._cond:
+            batch.jobs = jobs
+            for job in jobs:
+                batch.bytes_per_target[job.target] = sum(job.lengths)
+                if job.target in self.failed:
+                    job.cancelled = job.done = True
+            batch._job_finished()
+            if not jobs:
+                batch.settled.set()
+        for job in jobs:
+            if not job.done:
+                self._lane(job.target).jobs.put(job)
+        return batch
+
+    def write(self, entries: Iterable[WriteEntry]) -> None:
+        """Submit and wait; raise TransferError naming every target that failed."""
+        failures = self.submit(entries).wait()
+        if failures:
+            raise push_error(failures)
+
+    def _job(self, batch: WriteBatch, target: TargetRank, group: list[WriteEntry]) -> _Job:
+        info = self.targets.get(target)
+        if info is None:
+            raise TransferError(f"{target}: not connected (no published transfer-engine info); reconnect first")
+        local: list[int] = []
+        remote: list[int] = []
+        lengths: list[int] = []
+        for e in group:
+            param = info.params.get(e.param)
+            if param is None or e.offset < 0 or e.offset + e.nbytes > param.nbytes:
+                have = "not published" if param is None else f"{param.nbytes} bytes"
+                raise RemoteMismatchError(
+                    f"engine {target.engine} rank {target.rank} (session {info.session_id}): write of "
+                    f"{e.nbytes} bytes at offset {e.offset} into param {e.param!r} ({have}) is out of range; "
+                    f"Likely fix: {_MISMATCH_FIX}"
+                )
+            addr = param.address + e.offset
+            if lengths and local[-1] + lengths[-1] == e.local_addr and remote[-1] + lengths[-1] == addr:
+                lengths[-1] += e.nbytes  # contiguous on both sides: one range
+            else:
+                local.append(e.local_addr)
+                remote.append(addr)
+                lengths.append(e.nbytes)
+        return _Job(target, info.session_id, local, remote, lengths, batch)
+
+    def _lane(self, target: TargetRank) -> _Lane:
+        lane = self._lanes.get(target)
+        if lane is None:
+            lane = self._lanes[target] = _Lane(self, target)
+        return lane
+
+    def _fail(self, job: _Job, reason: str) -> None:
+        """Record the target's failure and cancel its writes that have not started (caller holds _cond)."""
+        self.failed.setdefault(job.target, TargetFailure(job.target, job.session_id, reason))
+        lane = self._lanes.get(job.target)
+        if lane is not None:
+            for queued in list(lane.jobs.queue):
+                if queued is not None and queued.started is None and not queued.done:
+                    queued.cancelled = queued.done = True
+                    queued.batch._job_finished()
+
+    def _wait(self, batch: WriteBatch) -> list[TargetFailure]:
+        failed: dict[TargetRank, TargetFailure] = {}
+        with self._cond:
+            while True:
+                now = time.monotonic()
+                next_deadline = None
+                for job in batch.jobs:
+                    if job.target in failed or (job.done and job.error is None and not job.cancelled):
+                        continue
+                    if job.done and job.error is not None:
+                        self._fail(job, job.error)
+                    elif job.started is not None and not job.done and now - job.started >= self.timeout_s:
+                        self._fail(job, f"write of {sum(job.lengths)} bytes timed out after {self.timeout_s:g} s")
+                    elif job.target in self.failed and not job.done and job.started is None:
+                        job.cancelled = job.done = True  # its target failed in another batch: skip it
+                        batch._job_finished()
+                    elif not job.cancelled and job.target not in self.failed:
+                        started = job.started if job.started is not None else now
+                        deadline = started + self.timeout_s
+                        next_deadline = deadline if next_deadline is None else min(next_deadline, deadline)
+                        continue
+                    failed[job.target] = self.failed.get(job.target) or TargetFailure(
+                        job.target, job.session_id, "skipped: this target failed earlier in the push"
+                    )
+                if next_deadline is None:
+                    return [failed[t] for t in sorted(failed)]
+                self._cond.wait(timeout=max(0.0, next_deadline - now) + 1e-3)
+
+    def close(self) -> None:
+        """Stop the idle lanes; a lane blocked in the transport exits when its call returns."""
+        for lane in self._lanes.values():
+            lane.jobs.put(None)
+        self._lanes.clear()
+
+
+def push_error(failures: Iterable[TargetFailure]) -> TransferError:
+    """One TransferError naming every failed target (engine, rank, session) and what to do."""
+    failures = list(failures)
+    lines = "\n  ".join(f.describe() for f in failures)
+    return TransferError(
+        f"weight push failed for {len(failures)} target(s); their weights are now unknown:\n  {lines}\n"
+        "Check those rollout servers are alive and reachable from this trainer rank (network, RDMA device, "
+        "firewall), or raise p2p_transfer_timeout if they are only slow; the next sync must rewrite them."
+    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -41,7 +42,7 @@ def fakes():
 
 
 def adapters_for(servers, start: int = 0, **config) -> list[P2PReplicaAdapter]:
-    cfg = P2PConfig(http_timeout=5.0, **config)
+    cfg = P2PConfig(**{"http_timeout": 5.0, **config})
     return [
         P2PReplicaAdapter(start + i, s.url, bootstrap_url=s.bootstrap_url, config=cfg) for i, s in enumerate(servers)
     ]
@@ -133,6 +134,39 @@ def test_push_failure_never_bumps_and_restores_everywhere(fakes):
     for i, server in enumerate(servers):
         assert "update_weight_version" not in server.calls
         assert server.lifecycle_calls() == FULL[:3] + (["push"] if i < 2 else []) + RESTORE
+        assert_restored(server)
+
+
+def test_after_a_failure_a_hanging_replica_does_not_hold_back_the_others(fakes):
+    """Once the push failed, each replica is restored on its own: engine 2's end hangs past http_timeout (as
+    on a frozen rank), engines 0 and 1 are already generating again long before it gives up."""
+    servers = fakes(3)
+    servers[2].delay("end_weight_update", 3.0)
+    lifecycle = SyncLifecycle(adapters_for(servers, http_timeout=1.0))
+    failed_at, resumed_at = [], {}
+
+    async def push(connection):
+        failed_at.append(time.monotonic())
+        raise RuntimeError("write to engine 2 timed out")
+
+    def watch():
+        while len(resumed_at) < 2 and time.monotonic() < deadline:
+            for i in (0, 1):
+                if failed_at and i not in resumed_at and not servers[i].paused:
+                    resumed_at[i] = time.monotonic()
+            time.sleep(0.005)
+
+    deadline = time.monotonic() + 10
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    with pytest.raises(SyncError) as info:
+        asyncio.run(lifecycle.sync(1, push))
+    watcher.join()
+    assert [(f.step, f.engine) for f in info.value.cleanup] == [("end", 2), ("resume", 2)]
+    assert "no answer within 1 s" in str(info.value.cleanup[0])
+    assert sorted(resumed_at) == [0, 1] and max(resumed_at.values()) - failed_at[0] < 0.5, resumed_at
+    for server in servers[:2]:
+        assert server.lifecycle_calls() == FULL[:3] + RESTORE
         assert_restored(server)
 
 

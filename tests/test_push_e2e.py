@@ -51,13 +51,13 @@ def model(tmp_path_factory):
     return cfg, specs, hf, path, root
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", autouse=True)
 def witness_run(model):
     """SGLang's own ranks (real gloo world of 2, SGLang's loader) for both layouts: the expected bytes."""
     _, _, _, path, root = model
     jobs = [{"tag": f"e{e}", "model_path": str(path), "server_args": sa} for e, sa in ENGINES.items()]
     (root / "logs").mkdir()
-    spec = harness.write_spec(root / "witness.json", 2, jobs, root / "witness")
+    spec = harness.write_spec(root / "witness.json", [(2, jobs)], root / "witness")
     procs = harness.start_witnesses("0.5.12", spec, root / "logs")
     yield procs, root
     for p in procs:
@@ -91,7 +91,7 @@ def replicas(model):
 
 
 @pytest.fixture(scope="module")
-def receivers(replicas, expected):  # started once the witnesses exited: at most 5 processes at a time
+def receivers(replicas):  # idle once started: they overlap the witnesses' SGLang imports
     handles = start_receivers({f"{t.engine}.{t.rank}": spec_from_plan(rep.plan.params) for t, rep in replicas.items()})
     yield {t: handles[f"{t.engine}.{t.rank}"] for t in replicas}
     stop_all(handles.values())
@@ -123,40 +123,6 @@ def assert_untouched(tmp_path, receivers):
     for t, h in receivers.items():
         got = h.dump(str(tmp_path / f"u{t.engine}{t.rank}.pt"))
         assert all(bool((v == FILL_BYTE).all()) for v in got.values()), f"{t} was written"
-
-
-def test_two_sources_write_every_rank_exactly(tmp_path, model, replicas, fresh, transports, expected):
-    _, _, hf, _, _ = model
-    targets = sorted(replicas)
-    sources = [SourceRank(0, 0), SourceRank(1, 0)]
-    plan = build_transfer_plan(sources, targets, {t: replicas[t].key for t in targets})
-    assert all(len(plan.targets_of(s.global_rank)) == 2 for s in sources)
-    results, errors = {}, []
-
-    def source(i: int) -> None:
-        mine = [PushTarget(t, replicas[t], fresh[t].remote_info()) for t in plan.targets_of(i)]
-        try:
-            results[i] = run_source(transports[i], mine, list(hf.items()))
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=source, args=(s.global_rank,)) for s in sources]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(timeout=120)
-    assert not errors, errors
-    for i, metrics in results.items():
-        for t in plan.targets_of(i):
-            assert metrics.bytes_per_target[t] == replicas[t].plan.nbytes  # each byte written once
-        assert metrics.num_batches > 2 and metrics.loaded_bytes == metrics.total_bytes  # distinct keys
-    for t in targets:
-        got = fresh[t].dump(str(tmp_path / f"{t.engine}{t.rank}.pt"))
-        want = expected[t]  # what SGLang's own rank holds after loading the checkpoint
-        assert set(got) == set(want)
-        for name in want:
-            assert torch.equal(got[name], want[name]), f"{t} {name}: bytes differ from SGLang's rank"
-            assert not bool(got[name].view(torch.float32).isnan().any()), f"{t} {name}: unwritten bytes"
 
 
 def test_validation_refuses_mismatches_before_any_write(tmp_path, model, replicas, fresh, transports):
@@ -191,3 +157,95 @@ def test_stream_missing_tensors_is_named(tmp_path, model, replicas, fresh, trans
     msg = str(err.value)
     assert "engine 0 rank 1" in msg and lost in msg and "w2_weight" in msg
     assert "engine 0 rank 0:" not in msg  # EP rank 0 got everything it needs
+
+
+def test_two_sources_write_every_rank_exactly(tmp_path, request, model, replicas, fresh, transports):
+    _, _, hf, _, _ = model
+    targets = sorted(replicas)
+    sources = [SourceRank(0, 0), SourceRank(1, 0)]
+    plan = build_transfer_plan(sources, targets, {t: replicas[t].key for t in targets})
+    assert all(len(plan.targets_of(s.global_rank)) == 2 for s in sources)
+    results, errors = {}, []
+
+    def source(i: int) -> None:
+        mine = [PushTarget(t, replicas[t], fresh[t].remote_info()) for t in plan.targets_of(i)]
+        try:
+            results[i] = run_source(transports[i], mine, list(hf.items()))
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=source, args=(s.global_rank,)) for s in sources]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=120)
+    assert not errors, errors
+    for i, metrics in results.items():
+        for t in plan.targets_of(i):
+            assert metrics.bytes_per_target[t] == replicas[t].plan.nbytes  # each byte written once
+        assert metrics.num_batches > 2 and metrics.loaded_bytes == metrics.total_bytes  # distinct keys
+    expected = request.getfixturevalue("expected")  # waits for the witnesses only now
+    for t in targets:
+        got = fresh[t].dump(str(tmp_path / f"{t.engine}{t.rank}.pt"))
+        want = expected[t]  # what SGLang's own rank holds after loading the checkpoint
+        assert set(got) == set(want)
+        for name in want:
+            assert torch.equal(got[name], want[name]), f"{t} {name}: bytes differ from SGLang's rank"
+            assert not bool(got[name].view(torch.float32).isnan().any()), f"{t} {name}: unwritten bytes"
+
+
+def _pp_stage_of(hf_name: str) -> int:
+    """A PP=2 trainer's split of the tiny model: embed + layer 0 on stage 0, layer 1 + norm + lm_head on stage 1."""
+    if hf_name.startswith("model.embed_tokens") or hf_name.startswith("model.layers.0."):
+        return 0
+    return 1
+
+
+def test_pp_stages_each_write_their_share_of_every_rank(tmp_path, request, model, replicas, fresh, transports):
+    """PP > 1: each target has one sender per stage; each stage streams only its tensors and writes only the
+    parameters they feed. Together the two stages write every byte of every rank exactly once."""
+    from verl_p2p.push import StageShare
+
+    _, _, hf, _, _ = model
+    targets = sorted(replicas)
+    results, errors = {}, []
+
+    def stage(s: int) -> None:
+        share = StageShare(owns=lambda n: _pp_stage_of(n) == s, writes_feedless=s == 0)
+        mine = [PushTarget(t, replicas[t], fresh[t].remote_info()) for t in targets]
+        stream = [(n, v) for n, v in hf.items() if _pp_stage_of(n) == s]
+        try:
+            buffers = TransferBuffers(SLOT_BYTES, transports[s])
+            writer = Writer(transports[s], {t.target: t.remote for t in mine}, timeout_s=TIMEOUT_S, num_workers=4)
+            try:
+                results[s] = push(iter(stream), mine, buffers, writer, share=share)
+            finally:
+                writer.close()
+                buffers.release()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=stage, args=(s,)) for s in (0, 1)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=120)
+    assert not errors, errors
+    for t in targets:
+        assert results[0].bytes_per_target[t] > 0 and results[1].bytes_per_target[t] > 0
+        assert results[0].bytes_per_target[t] + results[1].bytes_per_target[t] == replicas[t].plan.nbytes
+    expected = request.getfixturevalue("expected")
+    for t in targets:
+        got = fresh[t].dump(str(tmp_path / f"pp{t.engine}{t.rank}.pt"))
+        for name, want in expected[t].items():
+            assert torch.equal(got[name], want), f"{t} {name}: bytes differ from SGLang's rank"
+
+
+def test_stage_share_refuses_a_parameter_split_across_stages(replicas):
+    from verl_p2p.errors import UnsupportedLayoutError
+    from verl_p2p.push import StageShare
+
+    replica = replicas[TargetRank(0, 0)]
+    split = StageShare(owns=lambda n: not n.endswith("k_proj.weight"), writes_feedless=True)  # q/v here, k elsewhere
+    with pytest.raises(UnsupportedLayoutError, match="qkv_proj.*several pipeline stages"):
+        split.select(replica.plan.params)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import threading
 import time
 
@@ -155,7 +156,11 @@ def test_healthy_push_shares_loads_between_equal_layouts(model, receivers, trans
 
 def _fails_mid_write(model, receivers, transport, action_name):
     victim = receivers[VICTIM]
-    action = victim.kill if action_name == "kill" else victim.freeze
+    sig = signal.SIGKILL if action_name == "kill" else signal.SIGSTOP
+
+    def action():
+        os.kill(victim.pid, sig)  # only the signal: `acted` is taken right after it
+
     others = [t for t in receivers if t not in (VICTIM, "spare")]
     for t in others:
         receivers[t].fill()

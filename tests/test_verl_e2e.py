@@ -12,6 +12,15 @@ scale the trainer's Megatron parameters by 2 (exact in float32: only the exponen
 copies, slices and concatenates checkpoint tensors, so the rank bytes of the scaled checkpoint are the witness's
 bytes scaled by the same factor, compared bit for bit.
 
+Steps: stock manager 1 (engine 0 only, weights checker armed) -> 2 (engine 1 added: only it publishes rank info,
+the trainer is re-planned) -> 3 (scaled weights, same replicas: same plan and data plane); P2P manager 4 (engine 0
+only) -> 5 (scaled, no reconnect, no trainer round but the push) -> 6 (engine 1 added: only it is reconnected).
+
+Under the installed SGLang 0.5.12 (verl 0.9.1's pin) the engines have no weight-update sessions (begin answers 404
+once per client, no end). To see begin/end too, run this module under SGLang 0.5.23:
+`PYTHONPATH=.venv/sglang-0.5.23 .venv/bin/pytest tests/test_verl_e2e.py` (the trainer and the loopback ranks then
+both use 0.5.23; the replica reproduces only its own release's bytes).
+
 Stand-ins (see tests/support/verl_workers.py for why each): verl's ActorRolloutRefWorker (CPU Megatron model in
 verl's MegatronEngine class), SGLang ServerAdapter, SGLangHttpServer and SGLangReplica (over loopback engines).
 """
@@ -27,14 +36,10 @@ import pytest
 import requests
 import torch
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(540)]
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECS = ({"tp": 2, "ep": 2}, {"tp": 2, "ep": 1})
-# The loopback imitates the installed SGLang (0.5.12, verl 0.9.1's pin), which predates weight-update sessions:
-# its begin answers 404 once per client and the backend carries on without them (no end). The trainer's replica
-# reproduces only its own SGLang release's bytes, so an engine imitating 0.5.22+ is refused at connect.
-SESSIONS = (False, False)
 TRAINER = {"tp": 2, "ep": 2, "etp": 1}
 P2P_OPTIONS = {
     "protocol": "tcp",
@@ -81,6 +86,10 @@ class World:
         self.replicas: list = []
         self.initial: list[list[dict[str, torch.Tensor]]] = []  # [engine][rank] -> SGLang's own load
         self.factor = 1.0  # trainer weights = factor x checkpoint
+        # The engines imitate the installed SGLang (the trainer's replica reproduces only its own release's
+        # bytes). 0.5.12, verl 0.9.1's pin, predates weight-update sessions: begin answers 404 once per client and
+        # the backend carries on without them. Under 0.5.22+ (e.g. PYTHONPATH=.venv/sglang-0.5.23) begin/end run.
+        self.sessions = False
 
     def dumps(self, engine: int) -> list[dict[str, torch.Tensor]]:
         e = self.engines[engine]
@@ -131,10 +140,23 @@ def world(tmp_path_factory):
     t0 = time.monotonic()
     try:
         w.engines = [LoopbackEngine(EngineSpec(dtype="float32", **spec), str(path)).start() for spec in SPECS]
-        ray.init(num_cpus=6, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+        ray.init(
+            address="local",  # a new cluster of its own, never one another process started on this host
+            num_cpus=6,  # logical: one per trainer and rollout worker (CPU bundles); the host has 2 cores
+            include_dashboard=False,
+            _node_ip_address="127.0.0.1",
+            log_to_driver=False,
+            # every actor here has its own runtime env (verl sets per-worker env vars): prestarted idle
+            # workers would never be used, only compete for the two cores
+            _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False},
+        )
+        phases = {"ray": time.monotonic() - t0}
         w.trainer = trainer_group(trainer_config(path, checkpoint_engine(check_weight_update_equal=True), **TRAINER), 2)
+        phases["trainer"] = time.monotonic() - t0
         for engine in w.engines:
             engine.wait_ready()
+        w.sessions = all(e.features.weight_update_session for e in w.engines)
+        phases["loopback"] = time.monotonic() - t0
         model_config = HFModelConfig(path=str(path), load_tokenizer=False)
         ce = checkpoint_engine(check_weight_update_equal=True)
         replicas = [
@@ -151,8 +173,13 @@ def world(tmp_path_factory):
             return await asyncio.gather(*(launch_replica(r) for r in replicas))
 
         w.replicas = asyncio.run(launch())
+        phases["replicas"] = time.monotonic() - t0
         w.initial = [w.dumps(i) for i in range(len(w.engines))]
-        print(f"[verl_e2e] set-up took {time.monotonic() - t0:.1f}s")
+        phases["dumps"] = time.monotonic() - t0
+        print(
+            f"[verl_e2e] SGLang {w.engines[0].features.version} (sessions: {w.sessions}); set-up done at (s): "
+            + ", ".join(f"{k} {v:.1f}" for k, v in phases.items())
+        )
         yield w
     finally:
         if ray.is_initialized():
@@ -224,7 +251,7 @@ def total_bytes(world: World, engines) -> int:
 # ---- verl's stock manager: the engine-only path ---------------------------------------------------------------
 
 
-def test_stock_manager_syncs_every_rank_and_reuses_the_connection(world):
+def test_stock_manager_syncs_adds_a_replica_and_reuses_the_connection(world):
     import ray
     from verl.checkpoint_engine.base import CheckpointEngineManager
     from verl.workers.config import CheckpointEngineConfig
@@ -232,52 +259,70 @@ def test_stock_manager_syncs_every_rank_and_reuses_the_connection(world):
     manager = CheckpointEngineManager(
         config=CheckpointEngineConfig(**checkpoint_engine(check_weight_update_equal=True)),
         actor_wg=world.trainer,
-        replicas=list(world.replicas),
+        replicas=[world.replicas[0]],
     )
     assert manager.backend_cls.__name__ == "P2PCheckpointEngine"  # resolved through verl's registry
 
+    def sync(step: int, engine: int, first: bool) -> list[str]:
+        # a leader arms the weights checker on its own first sync (snapshot + reset, compare after)
+        return expected_sync(step, world.sessions, first, kv=True, check=first, flush=True)
+
+    # step 1: engine 0 only; its ranks were reset to random values first, so every byte must be restored
     since = world.mark()
     metrics = manager.update_weights(global_steps=1)
-    for e in range(2):
-        assert lifecycle(world.events(e, since)) == expected_sync(
-            1, SESSIONS[e], True, kv=True, check=True, flush=True
-        ), f"engine {e}"
-        state = world.events(e, since)[-1]["state"]
-        assert state["weight_version"] == "1" and not state["paused"] and not state["session_open"]
-        assert world.server_state(e)["global_steps"] == 1
-        assert_weights(world, e, 1.0)
-
+    assert lifecycle(world.events(0, since)) == sync(1, 0, True)
+    assert world.events(1, since) == []  # not in the manager: not touched
+    state = world.events(0, since)[-1]["state"]
+    assert state["weight_version"] == "1" and not state["paused"] and not state["session_open"]
+    assert not state["released_tags"]
+    assert world.server_state(0)["global_steps"] == 1
+    assert_weights(world, 0, 1.0)
     # one key set for the sync; every byte of every target written exactly once
     assert all(k.startswith("checkpoint_engine/p2p/") for k in metrics), sorted(metrics)
-    assert metrics["checkpoint_engine/p2p/bytes"] == total_bytes(world, range(2))
+    assert metrics["checkpoint_engine/p2p/bytes"] == total_bytes(world, [0])
     assert metrics["checkpoint_engine/p2p/sources"] == 2.0
-    # nothing travelled through the rollout's CheckpointEngineWorker: the stream it handed its adapter was empty
+    first = world.trainer_state()
+    assert {s["role"] for s in first} == {"trainer_source"}
+    assert {s["export_mode"] for s in first} == {"pp_local"}
+    assert sorted(t for s in first for t in s["targets"]) == [(0, 0), (0, 1)]
+    reads = count(world.events(0, [0, 0]), "/server_info")
+
+    # step 2: engine 1 added -> only its leader publishes rank info; the trainer gets a new plan over both
+    manager.add_replicas([world.replicas[1]])
+    since = world.mark()
+    metrics = manager.update_weights(global_steps=2)
+    assert lifecycle(world.events(0, since)) == sync(2, 0, False)
+    assert lifecycle(world.events(1, since)) == sync(2, 1, True)
+    assert count(world.events(0, [0, 0]), "/server_info") == reads  # engine 0 only sent its digest
+    assert count(world.events(1, since), "/server_info") >= 1
+    for e in range(2):
+        assert world.server_state(e)["global_steps"] == 2
+        assert_weights(world, e, 1.0)
+    assert metrics["checkpoint_engine/p2p/bytes"] == total_bytes(world, range(2))
+    before = world.trainer_state()
+    assert sorted(t for s in before for t in s["targets"]) == [(e, r) for e in range(2) for r in range(2)]
+    for old, new in zip(first, before, strict=True):
+        assert new["generation"] == old["generation"] + 1
+        assert (new["session_id"], new["transport_id"]) == (old["session_id"], old["transport_id"])
+    # nothing travelled through the rollout's CheckpointEngineWorkers: the streams they handed on were empty
     workers = [w for r in world.replicas for w in r.workers]
     received = ray.get([w.__ray_call__.remote(lambda self: list(self.server_adapter.received)) for w in workers])
     assert received == [[] for _ in workers]
 
-    trainer_before = world.trainer_state()
-    assert {s["role"] for s in trainer_before} == {"trainer_source"}
-    targets = sorted(t for s in trainer_before for t in s["targets"])
-    assert targets == [(e, r) for e in range(2) for r in range(2)]
-    assert {s["export_mode"] for s in trainer_before} == {"pp_local"}
-    server_info_reads = [count(world.events(e, [0, 0]), "/server_info") for e in range(2)]
-
-    # step 2: new trainer weights, same replicas -> same plan, same data plane, no rank info re-read
+    # step 3: new trainer weights, same replicas -> same plan, same data plane, no rank info re-read
+    reads = [count(world.events(e, [0, 0]), "/server_info") for e in range(2)]
     world.scale(2.0)
     since = world.mark()
-    manager.update_weights(global_steps=2)
+    manager.update_weights(global_steps=3)
     for e in range(2):
-        assert lifecycle(world.events(e, since)) == expected_sync(
-            2, SESSIONS[e], False, kv=True, check=False, flush=True
-        ), f"engine {e}"
-        assert count(world.events(e, [0, 0]), "/server_info") == server_info_reads[e]
+        assert lifecycle(world.events(e, since)) == sync(3, e, False), f"engine {e}"
+        assert count(world.events(e, [0, 0]), "/server_info") == reads[e]
         assert count(world.events(e, since), "/remote_instance_transfer_engine_info") == 0
         assert_weights(world, e, world.factor)
-    trainer_after = world.trainer_state()
-    for before, after in zip(trainer_before, trainer_after, strict=True):
+    after = world.trainer_state()
+    for old, new in zip(before, after, strict=True):
         for key in ("generation", "assignment_id", "session_id", "transport_id", "transport_session", "replica_ids"):
-            assert after[key] == before[key], f"trainer rank reconnected: {key} changed"
+            assert new[key] == old[key], f"trainer rank reconnected: {key} changed"
 
 
 # ---- P2PCheckpointEngineManager: the driver-side lifecycle -----------------------------------------------------
@@ -293,43 +338,43 @@ def test_p2p_manager_syncs_reuses_and_adds_a_replica(world):
     )
 
     def sync(step: int, engine: int, first: bool) -> list[str]:
-        return expected_sync(step, SESSIONS[engine], first, kv=False, check=False, flush=False)
+        return expected_sync(step, world.sessions, first, kv=False, check=False, flush=False)
 
     try:
         left_alone = world.dumps(1)
-        # step 3: engine 0 only (first connect of this manager)
+        # step 4: engine 0 only (first connect of this manager)
         world.scale(2.0)
         since = world.mark()
-        metrics = manager.update_weights(global_steps=3)
-        assert lifecycle(world.events(0, since)) == sync(3, 0, True)
+        metrics = manager.update_weights(global_steps=4)
+        assert lifecycle(world.events(0, since)) == sync(4, 0, True)
         assert world.events(1, since) == []  # not in the manager: not touched
         assert metrics["checkpoint_engine/p2p/reconnected"] == 1.0
         assert metrics["checkpoint_engine/p2p/bytes"] == total_bytes(world, [0])
         assert_weights(world, 0, world.factor)
         assert all(torch.equal(a[n], b[n]) for a, b in zip(world.dumps(1), left_alone, strict=True) for n in a)
-        assert world.server_state(0)["global_steps"] == 3
+        assert world.server_state(0)["global_steps"] == 4
         rounds, trainer_before = manager.trainer_rounds, world.trainer_state()
 
-        # step 4: same replica set -> no reconnect, no Ray round to the trainer besides the push
+        # step 5: same replica set -> no reconnect, no Ray round to the trainer besides the push
         world.scale(2.0)
         since = world.mark()
-        metrics = manager.update_weights(global_steps=4)
-        assert lifecycle(world.events(0, since)) == sync(4, 0, False)
+        metrics = manager.update_weights(global_steps=5)
+        assert lifecycle(world.events(0, since)) == sync(5, 0, False)
         assert count(world.events(0, since), "/server_info") == 0
         assert metrics["checkpoint_engine/p2p/reconnected"] == 0.0
         assert manager.trainer_rounds == rounds
         assert [s["assignment_id"] for s in world.trainer_state()] == [s["assignment_id"] for s in trainer_before]
         assert_weights(world, 0, world.factor)
 
-        # step 5: add engine 1 -> only it is (re)connected; one re-plan round, no prepare round
+        # step 6: add engine 1 -> only it is (re)connected; one re-plan round, no prepare round
         manager.add_replicas([world.replicas[1]])
         world.scale(2.0)
         since = world.mark()
-        metrics = manager.update_weights(global_steps=5)
+        metrics = manager.update_weights(global_steps=6)
         for e in range(2):
-            assert lifecycle(world.events(e, since)) == sync(5, e, e == 1), f"engine {e}"
+            assert lifecycle(world.events(e, since)) == sync(6, e, e == 1), f"engine {e}"
             assert_weights(world, e, world.factor)
-            assert world.server_state(e)["global_steps"] == 5
+            assert world.server_state(e)["global_steps"] == 6
         assert count(world.events(0, since), "/server_info") == 0  # engine 0's cached connection kept
         assert count(world.events(1, since), "/server_info") >= 1
         assert manager._lifecycle._connection.changed_engines == frozenset({1})
@@ -346,13 +391,13 @@ def test_p2p_manager_syncs_reuses_and_adds_a_replica(world):
 
 
 def test_loopback_answers_were_all_successful(world):
-    """No control-plane call was refused (out of order) by the loopback engines, except begin on the engine
+    """No control-plane call was refused (out of order) by the loopback engines, except begin on engines
     imitating a release without sessions."""
     for e in range(2):
         refused = [
             (x["path"], x["status"], x["message"])
             for x in world.events(e, [0, 0])
-            if x["status"] >= 400 and not (x["path"] == "/begin_weight_update" and not SESSIONS[e])
+            if x["status"] >= 400 and not (x["path"] == "/begin_weight_update" and not world.sessions)
         ]
         assert refused == [], refused
         health = requests.get(f"{world.engines[e].url}/health", timeout=10)

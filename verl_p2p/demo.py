@@ -10,7 +10,8 @@ tcp writes, bump version, end, resume KV, resume) and checks the result bit for 
 - steps 1.. scale every trainer parameter by (1 + step/8). A scale commutes with every slicing, fusing and
   transposing a layout does, and zero padding stays zero, so each rank must then hold exactly its bytes from
   SGLang's own load, scaled the same way: an independent expectation that never goes through the replica.
-Exits 1 on any mismatch.
+Exits 1 on any mismatch. `--corrupt-after-step N` (hidden, for the negative-control test) flips one byte of one
+rank right after step N's sync, so that step's check must report it and the run must exit 1.
 """
 
 from __future__ import annotations
@@ -154,6 +155,10 @@ async def _run(args: argparse.Namespace, workdir: Path) -> int:
                         param.copy_(initial[name] * scale)
             report = await lifecycle.sync(step, push)
             metrics = report.metrics["metrics"]
+            if step == args.corrupt_after_step:  # negative control: the check below must catch this byte
+                name = sorted(witness[0][0])[0]
+                engines[0].flip_byte(0, name, 0)
+                print(f"[demo] negative control: flipped byte 0 of {name} on engine 0 rank 0 after step {step}'s sync")
             problems = _verify(engines, witness, scale)
             failed |= bool(problems)
             for problem in problems[:10]:
@@ -217,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=4, help="syncs to run (step 0 plus perturbed steps)")
     parser.add_argument("--bucket-mb", type=int, default=1, help="transfer slot size (small: exercises chunking)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--corrupt-after-step", type=int, default=None, help=argparse.SUPPRESS)  # see the docstring
     args = parser.parse_args(argv)
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     from verl_p2p.compat import install_cpu_stubs

@@ -8,6 +8,9 @@ Each step runs on every replica in parallel. A step that fails on any replica st
 push never runs after a failed begin/connect, and a failed push never bumps a version. End session runs on
 every replica a begin was sent to (a begin that failed may still have left a session open), resume KV on
 every replica a release was sent to, and resume generation on every replica, whatever happened before.
+Once a forward step has failed, each replica is restored on its own (end -> resume KV -> resume, replicas in
+parallel), so a replica that hangs (a frozen rank: its end waits out http_timeout) holds back only itself and
+the healthy ones go back to generating at once.
 
 Connect is cached. Every sync re-reads each rank's transfer-engine info (one GET per rank, all in parallel,
 overlapped with abort..begin: the info is fixed for a server's lifetime) and compares a digest of the raw
@@ -250,6 +253,8 @@ class SyncLifecycle:
         begin_failed: set[int] = set()
         metrics: dict[str, Any] = {}
         connection, reconnected = self._connection, False
+        with_sessions: list[P2PReplicaAdapter] = []
+        ended = False
         start = time.perf_counter()
 
         async def step(name: str, targets: Sequence[P2PReplicaAdapter], action) -> list[ReplicaFailure]:
@@ -298,20 +303,27 @@ class SyncLifecycle:
                 pass
             finally:
                 with_sessions = [a for a in begun if a.sessions_supported is not False]
-                if with_sessions:
+                if with_sessions and not failures:
+                    ended = True
                     for failure in await step("end", with_sessions, lambda a: a.end_session()):
                         if failure.engine in begin_failed:  # its begin failed: no session is the likely answer
                             logger.warning("after a failed begin (a session may not be open): %s", failure)
                         else:
-                            (cleanup if failures else failures).append(failure)
+                            failures.append(failure)
             if not failures and self.checker is not None and self.checker.wants_compare:
                 failures += await self._timed_check("check_compare", self.checker.compare, adapters, phases)
         finally:
             if not probing.done():
                 probing.cancel()
-            if released:
-                cleanup += await step("resume_kv", released, lambda a: a.resume_kv())
-            cleanup += await step("resume", adapters, lambda a: a.resume())
+            if ended or not failures:
+                if released:
+                    cleanup += await step("resume_kv", released, lambda a: a.resume_kv())
+                cleanup += await step("resume", adapters, lambda a: a.resume())
+            else:  # the sync failed before end: restore each replica on its own (see the module docstring)
+                t0 = time.perf_counter()
+                chains = [self._restore_one(a, a in with_sessions, a in released, begin_failed) for a in adapters]
+                cleanup += [f for found in await asyncio.gather(*chains) for f in found]
+                phases["restore"] = time.perf_counter() - t0
             await asyncio.wait([probing])
         phases["total"] = time.perf_counter() - start
         phases["control_plane"] = phases["total"] - phases.get("push", 0.0)
@@ -325,6 +337,25 @@ class SyncLifecycle:
             generation=connection.generation if connection else 0,
             engines_without_sessions=[a.engine for a in adapters if a.sessions_supported is False],
         )
+
+    @staticmethod
+    async def _restore_one(
+        adapter: P2PReplicaAdapter, end: bool, resume_kv: bool, begin_failed: set[int]
+    ) -> list[ReplicaFailure]:
+        """End (when a begin was sent), resume KV (when released), resume: one replica, each step tried."""
+        found = []
+        steps = [("end", adapter.end_session)] if end else []
+        steps += [("resume_kv", adapter.resume_kv)] if resume_kv else []
+        for name, action in [*steps, ("resume", adapter.resume)]:
+            try:
+                await action()
+            except Exception as exc:
+                failure = ReplicaFailure(name, adapter.engine, adapter.url, exc)
+                if name == "end" and adapter.engine in begin_failed:  # no session is the likely answer
+                    logger.warning("after a failed begin (a session may not be open): %s", failure)
+                else:
+                    found.append(failure)
+        return found
 
     @staticmethod
     async def _timed_check(name: str, run, adapters, phases: dict[str, float]) -> list[ReplicaFailure]:

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
-from verl_p2p.errors import P2PError
+from verl_p2p.errors import P2PError, UnsupportedLayoutError
 from verl_p2p.targets import RemoteRankInfo, TargetRank
 from verl_p2p.transfer.buffers import ALIGN, Slot, TransferBuffers
 from verl_p2p.transfer.writer import TargetFailure, WriteEntry, Writer, push_error
@@ -104,13 +104,39 @@ class PushMetrics:
         }
 
 
+@dataclass(frozen=True)
+class StageShare:
+    """The part of every rollout rank one PP stage writes: the parameters fed only by HF tensors this stage
+    exports (`owns`); parameters no HF tensor feeds (pure padding fills) are written by `writes_feedless`
+    (stage 0). With PP > 1 each target gets one sender per stage, and together the stages write every byte."""
+
+    owns: Callable[[str], bool]
+    writes_feedless: bool
+
+    def select(self, params: Mapping[str, ParamPlanLike]) -> dict[str, ParamPlanLike]:
+        mine = {}
+        for name, p in params.items():
+            owned = [self.owns(f) for f in p.feeds]
+            if all(owned) if owned else self.writes_feedless:
+                mine[name] = p
+            elif any(owned):
+                split = sorted(f for f in p.feeds if not self.owns(f))
+                raise UnsupportedLayoutError(
+                    f"rollout parameter {name} is fed by HF tensors of several pipeline stages ({split[:4]} are "
+                    "exported by another stage): no single stage can write it whole; use a trainer layout that keeps "
+                    "these tensors in one stage"
+                )
+        return mine
+
+
 class _Group:
     """Targets sharing one replica key: their bytes are loaded once and written to each."""
 
-    def __init__(self, replica: ReplicaLike, targets: list[PushTarget]) -> None:
+    def __init__(self, replica: ReplicaLike, targets: list[PushTarget], share: StageShare | None = None) -> None:
         self.replica = replica
         self.targets = targets
-        self.params: Mapping[str, ParamPlanLike] = replica.plan.params
+        params: Mapping[str, ParamPlanLike] = replica.plan.params
+        self.params = share.select(params) if share is not None else params
         self.stager = replica.stager()
         self.done: set[str] = set()
 
@@ -135,8 +161,11 @@ class _Pusher:
     """Loads ready params into the current slot and submits them in pieces of about `flush_bytes`, so writes
     start early and overlap the loads; a full slot is left for the other one, reused once its writes returned."""
 
-    def __init__(self, buffers: TransferBuffers, writer: Writer, metrics: PushMetrics, flush_bytes: int) -> None:
+    def __init__(
+        self, buffers: TransferBuffers, writer: Writer, metrics: PushMetrics, flush_bytes: int, load_threads: int | None
+    ) -> None:
         self.buffers = buffers
+        self.load_threads = load_threads
         self.flush_bytes = flush_bytes
         self.unsent = 0
         self.writer = writer
@@ -158,6 +187,17 @@ class _Pusher:
         self.live_bytes -= nbytes
 
     def add(self, group: _Group, param: str) -> None:
+        """Load one ready param (chunk by chunk when larger than a slot) and queue its writes."""
+        threads = torch.get_num_threads()
+        if self.load_threads is not None and self.load_threads < threads:
+            torch.set_num_threads(self.load_threads)  # only around the loads, not the caller's export
+        try:
+            self._add(group, param)
+        finally:
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
+
+    def _add(self, group: _Group, param: str) -> None:
         plan = group.params[param]
         nbytes = int(plan.nbytes)
         feeds = group.take(param)
@@ -219,17 +259,17 @@ class _Pusher:
             self.failures.setdefault(f.target, f)
 
 
-def expected_params(targets: Sequence[PushTarget]) -> dict[TargetRank, dict[str, tuple[int, int]]]:
-    """`{target: {param: (numel, element_size)}}` the trainer will write (what `Writer.validate` checks)."""
+def expected_params(groups: Sequence[_Group]) -> dict[TargetRank, dict[str, tuple[int, int]]]:
+    """`{target: {param: (numel, element_size)}}` this source will write (what `Writer.validate` checks)."""
     out: dict[TargetRank, dict[str, tuple[int, int]]] = {}
-    for t in targets:
-        out[t.target] = {
-            name: (int(p.nbytes) // p.dtype.itemsize, p.dtype.itemsize) for name, p in t.replica.plan.params.items()
-        }
+    for g in groups:
+        shard = {name: (int(p.nbytes) // p.dtype.itemsize, p.dtype.itemsize) for name, p in g.params.items()}
+        for t in g.targets:
+            out[t.target] = shard
     return out
 
 
-def group_targets(targets: Sequence[PushTarget]) -> list[_Group]:
+def group_targets(targets: Sequence[PushTarget], share: StageShare | None = None) -> list[_Group]:
     """One group per distinct replica key (first replica of a key is used for all its targets)."""
     by_key: dict[Hashable, list[PushTarget]] = {}
     for t in targets:
@@ -239,7 +279,7 @@ def group_targets(targets: Sequence[PushTarget]) -> list[_Group]:
         if t.target in seen:
             raise ValueError(f"{t.target} appears twice in the push targets")
         seen.add(t.target)
-    return [_Group(ts[0].replica, ts) for ts in by_key.values()]
+    return [_Group(ts[0].replica, ts, share) for ts in by_key.values()]
 
 
 def push(
@@ -249,14 +289,16 @@ def push(
     writer: Writer,
     flush_bytes: int | None = None,
     load_threads: int | None = 1,
+    share: StageShare | None = None,
 ) -> PushMetrics:
     """Write this source's bytes to every target; raises RemoteMismatchError before any write when a target's
     published weights differ, IncompletePushError when the stream lacked inputs, TransferError when a
     target's write failed or timed out (writes to the other targets still complete). Loaded bytes are
     submitted in pieces of `flush_bytes` (default: an eighth of a slot). `load_threads` caps torch's
-    intra-op threads while the replica copies on CPU: its copies are memory-bound, and OpenMP's barriers
+    intra-op threads during the replica's loads on CPU: its copies are memory-bound, and OpenMP's barriers
     stall badly when the transport's threads hold the cores (measured: 0.1 vs 7 GB/s on a busy 2-core host);
-    None leaves torch's setting alone. GPU copies are unaffected."""
+    None leaves torch's setting alone. GPU copies are unaffected. `share` restricts the push to this PP stage's
+    part of every target (None: the source holds the whole model)."""
     t_start = time.perf_counter()
     for t in targets:
         known = writer.targets.get(t.target)
@@ -264,17 +306,14 @@ def push(
             raise ValueError(
                 f"{t.target}: the writer was built for other targets/sessions; build it from these targets"
             )
-    writer.validate(expected_params(targets))
-    groups = group_targets(targets)
+    groups = group_targets(targets, share)
+    writer.validate(expected_params(groups))
     metrics = PushMetrics(bytes_per_target={t.target: 0 for t in targets})
     writer.reset_failures()
     buffers.begin()
     metrics.slot_bytes = buffers.slot_bytes_total
-    pusher = _Pusher(buffers, writer, metrics, flush_bytes or max(ALIGN, buffers.slot_bytes // 8))
+    pusher = _Pusher(buffers, writer, metrics, flush_bytes or max(ALIGN, buffers.slot_bytes // 8), load_threads)
     stream = iter(hf_stream)
-    threads = torch.get_num_threads()
-    if load_threads is not None:
-        torch.set_num_threads(min(load_threads, threads))
     try:
         for group in groups:
             for param in group.without_feeds():
@@ -288,13 +327,12 @@ def push(
                 break
             hf_name, tensor = item
             pusher.track(tensor)
-            ready = [(g, p) for g in groups for p in g.stager.offer(hf_name, tensor)]
+            ready = [(g, p) for g in groups for p in g.stager.offer(hf_name, tensor) if p in g.params]
             metrics.seconds_stage += time.perf_counter() - t1
             del item, tensor
             for group, param in ready:
                 pusher.add(group, param)
     finally:
-        torch.set_num_threads(threads)
         pusher.finish()
         metrics.seconds_total = time.perf_counter() - t_start
     if pusher.failures:

@@ -62,6 +62,7 @@ class SourceSession:
         self.writer = None
         self.targets: list[Any] = []
         self.stage = None
+        self.share = None
 
     # ---- per generation ------------------------------------------------------------------------------------
 
@@ -98,6 +99,17 @@ class SourceSession:
             else None
         )
         self.targets, self.assignment = targets, assignment
+        self.share = self._stage_share(assignment)
+
+    def _stage_share(self, assignment: Assignment) -> Any:
+        """With PP > 1, the part of every rollout rank this stage writes (the HF names it exports). Every rank
+        of the model computes it at the same generation: the first call exchanges names over the PP group."""
+        if assignment.pp_size <= 1:
+            return None
+        from verl_p2p.push import StageShare
+
+        ownership = self.exporter.ownership(exchange=True)
+        return StageShare(owns=ownership.owns, writes_feedless=assignment.pp_stage == 0)
 
     def _open_transport(self) -> None:
         """The Mooncake endpoint and the registered transfer buffers, once (senders only)."""
@@ -153,7 +165,7 @@ class SourceSession:
             return None
         from verl_p2p.push import push
 
-        return push(stream, self.targets, self.buffers, self.writer)
+        return push(stream, self.targets, self.buffers, self.writer, share=self.share)
 
     def close(self) -> None:
         if self.writer is not None:

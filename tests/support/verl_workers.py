@@ -216,12 +216,11 @@ class ServerAdapterStandIn:
     def rollout_rank(self) -> int:
         return int(os.environ["RANK"]) % self.world_size
 
-    @property
-    def is_leader_rank(self) -> bool:
-        return self.rollout_rank == 0
+    def _is_server_tp_leader(self) -> bool:
+        return self.rollout_rank % self.world_size == 0  # infer_tp local rank 0 (dp = pp = 1)
 
     async def _init_server_adapter(self) -> None:
-        if self._url is not None or not self.is_leader_rank:
+        if self._url is not None or not self._is_server_tp_leader():
             return
         self.server_actor = ray.get_actor(f"sglang_server_{self.replica_rank}_0")
         host, port = await self.server_actor.get_server_address.remote()
@@ -233,7 +232,7 @@ class ServerAdapterStandIn:
         await self._init_server_adapter()
         async for name, _tensor in ensure_async_iterator(weights):
             self.received.append(name)  # verl would send these to SGLang (update_weights_from_tensor)
-        if self._url is not None and self.is_leader_rank:
+        if self._url is not None and self._is_server_tp_leader():
             await asyncio.to_thread(_post, f"{self._url}/flush_cache", None)
             if global_steps is not None:
                 await self.server_actor.set_global_steps.remote(global_steps)

@@ -12,7 +12,6 @@ adapter per version; neither is thread-safe, so every entry takes one module loc
 
 from __future__ import annotations
 
-import atexit
 import copy
 import dataclasses
 import dis
@@ -20,7 +19,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import tempfile
 import threading
 from collections.abc import Mapping
@@ -180,21 +178,23 @@ def hf_config_dict(hf_config: Any) -> dict:
     return to_dict()
 
 
-_CONFIG_DIRS: dict[str, str] = {}
-
-
 def checkpoint_config_dir(hf_config: Any) -> str:
-    """A directory holding only `config.json` of `hf_config` (SGLang's ModelConfig reads configs from a path)."""
+    """A directory holding only `config.json` of `hf_config` (SGLang's ModelConfig reads configs from a path).
+
+    One fixed directory per config digest, shared by every process: a killed process (Ray actors are) leaks
+    nothing, and the file is written atomically so concurrent writers never expose a half-written config.
+    """
     text = json.dumps(hf_config_dict(hf_config), sort_keys=True, default=str)
     digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    path = os.path.join(tempfile.gettempdir(), f"verl_p2p_cfg_{digest}")
+    target = os.path.join(path, "config.json")
     with _LOCK:
-        path = _CONFIG_DIRS.get(digest)
-        if path is None or not os.path.exists(os.path.join(path, "config.json")):
-            path = tempfile.mkdtemp(prefix=f"verl_p2p_cfg_{digest}_")
-            with open(os.path.join(path, "config.json"), "w") as f:
+        if not os.path.exists(target):
+            os.makedirs(path, exist_ok=True)
+            fd, partial = tempfile.mkstemp(dir=path, prefix=".config.", suffix=".json")
+            with os.fdopen(fd, "w") as f:
                 f.write(text)
-            _CONFIG_DIRS[digest] = path
-            atexit.register(shutil.rmtree, path, True)
+            os.replace(partial, target)
     return path
 
 

@@ -71,8 +71,8 @@ class _Job:
 
 @dataclass(eq=False)
 class WriteBatch:
-    """The writes reading one buffer slot. `wait()` enforces the deadline; `settled` is set once every
-    transport call that reads the slot really returned (a timed-out call may return much later)."""
+    """One submit: a transport call per target, all reading one piece of a buffer slot. `wait()` enforces the
+    deadline; `settled` is set once every call really returned (a timed-out call may return much later)."""
 
     writer: Writer
     jobs: list[_Job] = field(default_factory=list)
@@ -99,16 +99,24 @@ class _Lane:
         self.thread = threading.Thread(target=self._run, name=f"p2p-write-e{target.engine}r{target.rank}", daemon=True)
         self.thread.start()
 
+    def _skip(self, job: _Job) -> bool:
+        """True when the job must not run (caller holds the writer's lock): its target already failed."""
+        w = self.writer
+        if job.target in w.failed and not job.done:
+            job.cancelled = job.done = True  # the target failed: its later writes are dropped
+            job.batch._job_finished()
+            w._cond.notify_all()
+        return job.cancelled
+
     def _run(self) -> None:
         w = self.writer
         while (job := self.jobs.get()) is not None:
+            with w._cond:
+                if self._skip(job):
+                    continue
             with w._workers:
                 with w._cond:
-                    if job.target in w.failed and not job.done:
-                        job.cancelled = job.done = True  # the target failed: its later writes are dropped
-                        job.batch._job_finished()
-                        w._cond.notify_all()
-                    if job.cancelled:
+                    if self._skip(job):
                         continue
                     job.started = time.monotonic()
                     self.busy = True

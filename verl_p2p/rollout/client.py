@@ -1,33 +1,36 @@
 """Async client of one SGLang server (control plane) and its engine-info bootstrap server.
 
-The wire contract is PROTOCOL.md sections 2-3. Blocking `requests` calls run on a private thread pool,
-never on the event loop, and hold no loop-bound state: verl drives the lifecycle from `asyncio.run` in some
-trainer modes and from a long-lived loop in others, so one client must work from any loop. Every failure
-raises `RolloutCallError` naming the server, the route, the HTTP status and the server's own message.
+The wire contract is PROTOCOL.md sections 2-3. Calls use aiohttp on the running loop (keep-alive
+connections, no thread hops, no blocking I/O on the loop). An aiohttp session is bound to the loop it was made
+on, and verl drives the lifecycle from `asyncio.run` in some trainer modes (a fresh loop per call) and from a
+long-lived loop in others, so a client keeps one session per running loop, made on first use and closed when
+that loop shuts down its async generators (asyncio.run does) or by `close()`. Every failure raises
+`RolloutCallError` naming the server, the route, the HTTP status and the server's own message.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import hashlib
 import json
 import logging
-from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+import socket
+import threading
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-import requests
+import aiohttp
 
 from verl_p2p.errors import RolloutHTTPError
 from verl_p2p.targets import RemoteRankInfo
 
 logger = logging.getLogger(__name__)
 
-# Control-plane calls are short; the pool only bounds how many wait on sockets at once. A private pool keeps a
-# slow server from starving the loop's default executor (min(32, cores + 4) threads: 6 on a 2-core driver).
-_POOL = ThreadPoolExecutor(max_workers=64, thread_name_prefix="p2p-http")
+# Keep-alive connections per server, per loop: rank-info reads fan out over every TP rank at once.
+_PER_HOST = 64
 
 _HINTS = {
     401: "send the server's admin API key: set checkpoint_engine.engine_kwargs.p2p.api_key",
@@ -60,13 +63,32 @@ class RankAnswer:
     info: RemoteRankInfo
 
 
+@dataclass(frozen=True)
+class Response:
+    """One fully read HTTP answer; the fields and methods callers use are named as in `requests`."""
+
+    status_code: int
+    reason: str
+    url: str
+    content: bytes
+    encoding: str = "utf-8"
+
+    @property
+    def text(self) -> str:
+        return self.content.decode(self.encoding, errors="replace")
+
+    def json(self) -> Any:
+        """The body as JSON; raises ValueError (json.JSONDecodeError) when it is not."""
+        return json.loads(self.content)
+
+
 def normalize_url(address: str) -> str:
     """`host:port` (what verl's `server_address` holds) or a full URL -> `http://host:port` without a slash."""
     address = address.strip().rstrip("/")
     return address if "://" in address else f"http://{address}"
 
 
-def message_of(response: requests.Response) -> str:
+def message_of(response: Response) -> str:
     """The server's own error text: JSON `message`/`error`/`detail` (SGLang nests them), else the body text."""
     try:
         body = response.json()
@@ -109,12 +131,11 @@ class SGLangClient:
         self.url = normalize_url(url)
         self.bootstrap_url = normalize_url(bootstrap_url) if bootstrap_url else None
         self.timeout = timeout
-        self._session = requests.Session()
-        adapter = requests.adapters.HTTPAdapter(pool_connections=2, pool_maxsize=32)
-        self._session.mount("http://", adapter)
-        self._session.mount("https://", adapter)
-        if api_key:
-            self._session.headers["Authorization"] = f"Bearer {api_key}"
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # one aiohttp session per running loop, with the async generator that closes it at loop shutdown
+        self._sessions: dict[asyncio.AbstractEventLoop, tuple[aiohttp.ClientSession, AsyncGenerator]] = {}
+        self._lock = threading.Lock()
+        self._closing: set[asyncio.Task] = set()  # close() tasks scheduled on a running loop, kept until done
         self.sessions_supported: bool | None = None  # None until begin/end was called once
         self._bootstrap_reachable = True
         self._warned: set[str] = set()
@@ -124,7 +145,48 @@ class SGLangClient:
         return f"SGLangClient({self.url!r}, bootstrap_url={self.bootstrap_url!r})"
 
     def close(self) -> None:
-        self._session.close()
+        """Close every loop's session. Callable from sync code, also on a loop's own thread while it runs; a
+        later call opens a new session."""
+        with self._lock:
+            entries = list(self._sessions.items())
+            self._sessions.clear()
+        try:
+            current = asyncio.get_running_loop()
+        except RuntimeError:
+            current = None
+        for loop, (_, closer) in entries:
+            if loop.is_closed():
+                _finish(closer)
+            elif loop is current:  # sync code on the running loop: closed once the loop gets control back
+                task = loop.create_task(_aclose(closer))
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
+            elif loop.is_running():  # another thread's loop: handed over, never waited for
+                asyncio.run_coroutine_threadsafe(_aclose(closer), loop)
+            elif current is None:  # an idle loop (run_until_complete between calls)
+                loop.run_until_complete(_aclose(closer))
+            # else an idle loop while another runs on this thread: its shutdown_asyncgens() closes the session
+
+    async def _session_here(self) -> aiohttp.ClientSession:
+        """This loop's session, made on first use. Its closer is an async generator registered with the loop,
+        so the loop's shutdown_asyncgens() (asyncio.run calls it) closes the session before the loop closes."""
+        loop = asyncio.get_running_loop()
+        entry = self._sessions.get(loop)
+        if entry is not None and not entry[0].closed:
+            return entry[0]
+        with self._lock:
+            stale = [key for key in self._sessions if key is loop or key.is_closed()]
+            dropped = [self._sessions.pop(key)[1] for key in stale]
+            # trust_env stays off: unlike requests, no proxy from HTTP(S)_PROXY and no ~/.netrc (its lookup
+            # would cost a thread hop per call); control-plane calls always go straight to the server
+            connector = aiohttp.TCPConnector(limit=0, limit_per_host=_PER_HOST)
+            session = aiohttp.ClientSession(connector=connector, headers=self._headers)
+            closer = _closer(session, loop)
+            self._sessions[loop] = (session, closer)
+        for old in dropped:  # sessions of closed loops (nothing left to do on them) or closed ones of this loop
+            _finish(old)
+        await closer.__anext__()  # runs to its `yield` at once; the loop's firstiter hook registers it
+        return session
 
     # ---- transport -------------------------------------------------------------------------------------
 
@@ -137,30 +199,33 @@ class SGLangClient:
         params: Mapping[str, Any] | None = None,
         timeout: float | None = None,
         base: str | None = None,
-    ) -> requests.Response:
-        """One call off the event loop; returns the 2xx response or raises RolloutCallError."""
+    ) -> Response:
+        """One call on the running loop; returns the 2xx response, body read, or raises RolloutCallError.
+        `timeout` bounds connecting and each wait for data, as `requests` does."""
         base = base or self.url
         timeout = self.timeout if timeout is None else timeout
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(_POOL, self._request_sync, method, base, route, body, params, timeout)
-
-    def _request_sync(self, method, base, route, body, params, timeout) -> requests.Response:
         shown = route + ("?" + "&".join(f"{k}={v}" for k, v in params.items()) if params else "")
+        session = await self._session_here()
+        limits = aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout)
         try:
-            response = self._session.request(method, base + route, json=body, params=params, timeout=timeout)
-        except requests.exceptions.ConnectionError as exc:
-            if isinstance(exc, requests.exceptions.ConnectTimeout) or "timed out" in str(exc).lower():
-                raise RolloutCallError(
-                    base, method, shown, None, f"no connection within {timeout:g} s", "is the server up?"
-                ) from exc
+            async with session.request(method, base + route, json=body, params=params, timeout=limits) as answer:
+                content = await answer.read()
+                response = Response(
+                    answer.status, answer.reason or "", str(answer.url), content, answer.charset or "utf-8"
+                )
+        except aiohttp.ConnectionTimeoutError as exc:
             raise RolloutCallError(
-                base, method, shown, None, f"cannot connect ({_reason(exc)})", "is the server running there?"
+                base, method, shown, None, f"no connection within {timeout:g} s", "is the server up?"
             ) from exc
-        except requests.exceptions.Timeout as exc:
+        except TimeoutError as exc:  # aiohttp.SocketTimeoutError and any other wait for data
             raise RolloutCallError(
                 base, method, shown, None, f"no answer within {timeout:g} s", "raise engine_kwargs.p2p.http_timeout"
             ) from exc
-        except requests.exceptions.RequestException as exc:
+        except aiohttp.ClientConnectionError as exc:  # refused, unresolvable, reset, disconnected
+            raise RolloutCallError(
+                base, method, shown, None, f"cannot connect ({_reason(exc)})", "is the server running there?"
+            ) from exc
+        except aiohttp.ClientError as exc:
             raise RolloutCallError(base, method, shown, None, f"request failed: {exc}") from exc
         if response.status_code >= 400:
             raise RolloutCallError(
@@ -177,7 +242,7 @@ class SGLangClient:
             )
         return answer
 
-    async def _first_route(self, method: str, routes: Sequence[str], **kwargs) -> tuple[str, requests.Response]:
+    async def _first_route(self, method: str, routes: Sequence[str], **kwargs) -> tuple[str, Response]:
         """Try each route name in turn while the server answers 404 (renamed or removed endpoints); the one
         that answered is tried first next time."""
         key = tuple(routes)
@@ -308,7 +373,7 @@ class SGLangClient:
     async def get_rank_info(self, rank: int, timeout: float | None = None) -> RemoteRankInfo:
         return (await self.rank_answer(rank, timeout=timeout)).info
 
-    async def _rank_response(self, rank: int, timeout: float | None) -> requests.Response:
+    async def _rank_response(self, rank: int, timeout: float | None) -> Response:
         params = {"rank": int(rank)}
         if self.bootstrap_url and self._bootstrap_reachable:
             try:
@@ -333,7 +398,7 @@ class SGLangClient:
         )
         return response
 
-    def _parse_rank(self, response: requests.Response, rank: int) -> RemoteRankInfo:
+    def _parse_rank(self, response: Response, rank: int) -> RemoteRankInfo:
         try:
             return RemoteRankInfo.from_json(response.json())
         except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
@@ -348,7 +413,7 @@ class SGLangClient:
             ) from exc
 
 
-def _json_or_text(response: requests.Response) -> Any:
+def _json_or_text(response: Response) -> Any:
     if not response.content:
         return None
     try:
@@ -357,8 +422,50 @@ def _json_or_text(response: requests.Response) -> Any:
         return response.text
 
 
+async def _closer(session: aiohttp.ClientSession, loop: asyncio.AbstractEventLoop) -> AsyncGenerator[None]:
+    """Closes `session` when finalised: by the loop's shutdown_asyncgens(), by close(), or by _finish()."""
+    try:
+        yield
+    finally:
+        if not loop.is_closed():
+            await session.close()
+
+
+async def _aclose(closer: AsyncGenerator) -> None:
+    await closer.aclose()
+
+
+def _finish(closer: AsyncGenerator) -> None:
+    """Finalise a closer without a loop: its loop is closed (so its sockets cannot be closed through it) or
+    its session already is; either way its finally block awaits nothing and ends at once."""
+    step = closer.aclose()
+    try:
+        step.send(None)
+    except StopIteration:
+        return
+    except RuntimeError:  # never started, or finished elsewhere meanwhile
+        return
+    step.close()
+
+
+_ERRNO_REASONS = {
+    errno.ECONNREFUSED: "connection refused",
+    errno.EHOSTUNREACH: "no route to host",
+    errno.ECONNRESET: "connection reset",
+}
+
+
 def _reason(exc: Exception) -> str:
-    text = str(exc)
+    cause = getattr(exc, "os_error", None) or exc
+    if isinstance(cause, socket.gaierror) or isinstance(exc, aiohttp.ClientConnectorDNSError):
+        return "name or service not known"
+    if getattr(cause, "errno", None) in _ERRNO_REASONS:
+        return _ERRNO_REASONS[cause.errno]
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return "the server closed the connection"
+    text = f"{exc} {cause}" if cause is not exc else str(exc)
+    if f"[Errno {errno.ECONNREFUSED}]" in text:  # asyncio joins the errors of every address it tried
+        return "connection refused"
     for marker in ("Connection refused", "Name or service not known", "No route to host", "Connection reset"):
         if marker in text:
             return marker.lower()

@@ -35,7 +35,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "${pip[@]}" verl==0.9.1 uvicorn fastapi transformers==5.10.4 megatron-core==0.19.2 einops \
     mooncake-transfer-engine-non-cuda==0.3.13.post1 \
     pybase64 msgspec pyzmq IPython sentencepiece compressed-tensors gguf openai partial-json-parser orjson \
-    pytest pytest-timeout ruff requests
+    pytest pytest-timeout ruff requests aiohttp
   "${pip[@]}" --no-deps megatron-bridge==0.6.2 sglang==0.5.12
   if [ ! -d .venv/sglang-0.5.23/sglang-0.5.23.dist-info ]; then
     rm -rf .venv/sglang-0.5.23

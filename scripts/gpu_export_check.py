@@ -12,7 +12,7 @@ Prints a table, writes JSON (`--json-out`), exits 1 on any mismatch.
 
 Needs only torch, megatron-core, megatron-bridge, transformers, safetensors, einops (+ their import-time deps);
 not verl: the repo's `verl_p2p` package is mapped without running its `__init__`. Without transformer_engine,
-the repo's test support installs its import stub and builds local (TE-free) layers. Import-time requirements
+verl_p2p.cpu_megatron installs its import stub and builds local (TE-free) layers. Import-time requirements
 beyond torch and its own deps, found by blocking modules one at a time on the CPU host: megatron-core 0.19.2,
 megatron-bridge 0.6.2 (install --no-deps), transformers 5.10.4, safetensors, einops, tokenizers, huggingface-hub,
 regex, pyyaml, tqdm, httpx (+ httpcore, h11, idna, certifi, anyio), rich, omegaconf, antlr4-python3-runtime,
@@ -35,19 +35,19 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _import_paths() -> None:
-    """verl_p2p's export modules without its package __init__ (which may import verl), and the test support."""
+    """verl_p2p's export modules without its package __init__ (which may import verl)."""
     if "verl_p2p" not in sys.modules:
         pkg = types.ModuleType("verl_p2p")
         pkg.__path__ = [str(ROOT / "verl_p2p")]
         sys.modules["verl_p2p"] = pkg
-    sys.path.insert(0, str(ROOT / "tests"))
 
 
 _import_paths()
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from support.megatron_cpu import Parallel, build_tiny_megatron, install_te_stub  # noqa: E402
+
+from verl_p2p.cpu_megatron import Parallel, build_tiny_megatron, install_te_stub  # noqa: E402
 
 
 def _args() -> argparse.Namespace:

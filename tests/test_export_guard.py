@@ -6,7 +6,8 @@ Two real gloo processes, each its own "stage" ({0} and {1}); no Megatron needed,
 from __future__ import annotations
 
 import torch
-from support.megatron_cpu import init_distributed, run_group
+
+from verl_p2p.cpu_megatron import init_distributed, run_group
 
 
 def _guard_cases(rank: int, world: int, port: int) -> dict:

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 from support.export_cases import ModelCase, add_mtp_tensors, run_cases
-from support.megatron_cpu import Parallel, run_group
 
+from verl_p2p.cpu_megatron import Parallel, run_group
 from verl_p2p.tiny import write_tiny_checkpoint
 
 pytestmark = pytest.mark.slow

@@ -9,7 +9,8 @@ the pytest process.
 from __future__ import annotations
 
 import pytest
-from support.megatron_cpu import run_group
+
+from verl_p2p.cpu_megatron import run_group
 
 
 class _Recorder:
@@ -26,7 +27,7 @@ class _Recorder:
 
 
 def _verl_checks(rank: int, world: int, port: int) -> dict:
-    from support.megatron_cpu import install_te_stub
+    from verl_p2p.cpu_megatron import install_te_stub
 
     install_te_stub()
     from verl.experimental.separation.engine_workers import DetachActorWorker

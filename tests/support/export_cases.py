@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from support.megatron_cpu import Parallel, build_tiny_megatron, init_distributed
+from verl_p2p.cpu_megatron import Parallel, build_tiny_megatron, init_distributed
 
 
 @dataclass(frozen=True)

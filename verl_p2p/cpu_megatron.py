@@ -1,6 +1,7 @@
 """Build a tiny Megatron model through Megatron-Bridge in real gloo (CPU) or NCCL (GPU) groups (demo and tests).
 
-Demo and test support only (never on the production path). Stand-ins, each because the real part cannot run without transformer_engine or a GPU:
+Demo and test support only (never on the production path). Stand-ins, each because the real part cannot
+run without transformer_engine or a GPU:
 
 - `transformer_engine` is an import-only stub (`install_te_stub`). Megatron-Bridge imports TE at module level
   (its LoRA layers), but megatron-core decides HAVE_TE when its model modules are first imported: those are

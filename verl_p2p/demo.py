@@ -43,8 +43,9 @@ def _scale(step: int) -> float:
     return 1.0 + step / 8.0
 
 
-def _trainer_engine(model_dir: Path) -> Any:
-    """verl's real MegatronEngine class holding a Megatron-Bridge model of `model_dir` (world of one, gloo).
+def trainer_engine(model_dir: Path, parallel: Any = None) -> Any:
+    """verl's real MegatronEngine class holding a Megatron-Bridge model of `model_dir` (default: a world of one,
+    gloo; with `parallel`, this rank's part of an already initialised process group).
 
     MegatronEngine's own constructor needs CUDA and an optimizer; the demo fills in the three attributes the
     p2p source reads (module chunks, bridge, model config) on an instance made without it.
@@ -56,7 +57,7 @@ def _trainer_engine(model_dir: Path) -> Any:
 
     if not torch.distributed.is_initialized():
         init_distributed(0, 1, free_port())
-    modules, bridge = build_tiny_megatron(model_dir, Parallel())
+    modules, bridge = build_tiny_megatron(model_dir, parallel or Parallel())
     engine = object.__new__(MegatronEngine)
     engine.module, engine.bridge = modules, bridge
     engine.model_config = DemoModelConfig(AutoConfig.from_pretrained(model_dir), str(model_dir))
@@ -103,7 +104,7 @@ async def _run(args: argparse.Namespace, workdir: Path) -> int:
     try:
         for engine in engines:  # rank processes start now, while the trainer model builds
             engine.start()
-        trainer = _trainer_engine(model_dir)
+        trainer = trainer_engine(model_dir)
         initial = {name: p.detach().clone() for c in trainer.module for name, p in c.named_parameters()}
         for engine in engines:
             engine.wait_ready()

@@ -6,26 +6,11 @@ import asyncio
 import logging
 
 import pytest
-from support.fake_sglang import FakeSGLang
 
 from verl_p2p.checker import WeightUpdateChecker, checker_fields
 from verl_p2p.config import P2PConfig
 from verl_p2p.lifecycle import SyncError, SyncLifecycle
 from verl_p2p.rollout.adapter import P2PReplicaAdapter
-
-
-@pytest.fixture
-def fakes():
-    servers: list[FakeSGLang] = []
-
-    def make(n: int, **kwargs) -> list[FakeSGLang]:
-        new = [FakeSGLang(**kwargs) for _ in range(n)]
-        servers.extend(new)
-        return new
-
-    yield make
-    for server in servers:
-        server.stop()
 
 
 def lifecycle_for(servers, resumed: bool = False, **options) -> SyncLifecycle:

@@ -27,20 +27,6 @@ FULL = [
 RESTORE = ["end_weight_update", "resume_memory_occupation", "continue_generation"]
 
 
-@pytest.fixture
-def fakes():
-    servers: list[FakeSGLang] = []
-
-    def make(n: int, **kwargs) -> list[FakeSGLang]:
-        new = [FakeSGLang(**kwargs) for _ in range(n)]
-        servers.extend(new)
-        return new
-
-    yield make
-    for server in servers:
-        server.stop()
-
-
 def adapters_for(servers, start: int = 0, **config) -> list[P2PReplicaAdapter]:
     cfg = P2PConfig(**{"http_timeout": 5.0, **config})
     return [

@@ -97,6 +97,15 @@ class P2PConfig:
         return self.bucket_size_mb << 20
 
 
+def config_field(node: Any, key: str) -> Any:
+    """`node[key]` of a verl config node, whether a dict, an OmegaConf node or a dataclass; None when absent."""
+    if node is None:
+        return None
+    if isinstance(node, Mapping):
+        return node.get(key)
+    return getattr(node, key, None)
+
+
 def _plain(options: Any) -> Any:
     """OmegaConf nodes to plain containers without importing omegaconf when it is not needed."""
     if options is None or isinstance(options, dict):

@@ -11,7 +11,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from verl_p2p.config import P2PConfig
+from verl_p2p.config import P2PConfig, config_field
 from verl_p2p.errors import P2PConfigError
 from verl_p2p.rollout.launch import server_arg_problems
 
@@ -43,13 +43,13 @@ def trainer_mode_problems(config: Mapping[str, Any], entry: str) -> list[str]:
     """verl trainers that would replace p2p with `naive` (or cannot run it at all)."""
     if entry != MAIN_PPO:
         return []
-    trainer = _get(config, "trainer") or {}
-    if not _get(trainer, "use_v1"):
+    trainer = config_field(config, "trainer") or {}
+    if not config_field(trainer, "use_v1"):
         return [
             "trainer.use_v1=false runs verl's legacy trainer, which only knows hybrid (colocated) rollout: p2p "
             "needs standalone rollout replicas. Fix: trainer.use_v1=true trainer.v1.trainer_mode=separate_async"
         ]
-    mode = _get(_get(trainer, "v1") or {}, "trainer_mode")
+    mode = config_field(config_field(trainer, "v1") or {}, "trainer_mode")
     if mode in NAIVE_MODES:
         return [
             f"trainer.v1.trainer_mode={mode} syncs weights with verl's `naive` backend whatever "
@@ -63,23 +63,23 @@ def trainer_mode_problems(config: Mapping[str, Any], entry: str) -> list[str]:
 
 def config_problems(config: Mapping[str, Any], entry: str | None = None) -> list[str]:
     """Every reason this trainer config cannot run p2p; [] when it can (or when p2p is not selected)."""
-    rollout = _get(_get(config, "actor_rollout_ref"), "rollout") or {}
-    checkpoint_engine = _get(rollout, "checkpoint_engine") or {}
-    if _get(checkpoint_engine, "backend") != "p2p":
+    rollout = config_field(config_field(config, "actor_rollout_ref"), "rollout") or {}
+    checkpoint_engine = config_field(rollout, "checkpoint_engine") or {}
+    if config_field(checkpoint_engine, "backend") != "p2p":
         return []
     problems = trainer_mode_problems(config, entry or entry_of(config))
-    if _get(rollout, "name") != "sglang":
+    if config_field(rollout, "name") != "sglang":
         problems.append(
-            f"actor_rollout_ref.rollout.name={_get(rollout, 'name')!r}: p2p writes into SGLang's published weight "
-            "memory. Fix: actor_rollout_ref.rollout.name=sglang"
+            f"actor_rollout_ref.rollout.name={config_field(rollout, 'name')!r}: p2p writes into SGLang's published "
+            "weight memory. Fix: actor_rollout_ref.rollout.name=sglang"
         )
-    if _get(_get(rollout, "disaggregation") or {}, "enabled"):
+    if config_field(config_field(rollout, "disaggregation") or {}, "enabled"):
         problems.append("rollout.disaggregation.enabled=true: p2p does not sync prefill/decode-disaggregated rollouts")
     try:
-        P2PConfig.from_mapping(_get(_get(checkpoint_engine, "engine_kwargs") or {}, "p2p"))
+        P2PConfig.from_mapping(config_field(config_field(checkpoint_engine, "engine_kwargs") or {}, "p2p"))
     except P2PConfigError as exc:
         problems.append(str(exc))
-    problems += server_arg_problems(dict(_get(_get(rollout, "engine_kwargs") or {}, "sglang") or {}))
+    problems += server_arg_problems(dict(config_field(config_field(rollout, "engine_kwargs") or {}, "sglang") or {}))
     return problems
 
 
@@ -95,7 +95,7 @@ def check_config(config: Mapping[str, Any], entry: str | None = None) -> None:
 def warn_hybrid_actor(owner: Any) -> None:
     """Trainer rank 0: say loudly that hybrid (colocated) replicas are synced by verl's naive path, not p2p."""
     config = getattr(owner, "config", None)
-    if config is None or not _get(config, "hybrid_engine") or "hybrid" in _warned:
+    if config is None or not config_field(config, "hybrid_engine") or "hybrid" in _warned:
         return
     _warned.add("hybrid")
     logger.warning(
@@ -103,11 +103,3 @@ def warn_hybrid_actor(owner: Any) -> None:
         "trainer GPUs are synced by verl's naive path; p2p syncs only standalone replicas (v1 separate_async, "
         "one_step_off, fully_async). In v1 sync/colocate_async trainers p2p is never used."
     )
-
-
-def _get(obj: Any, key: str) -> Any:
-    if obj is None:
-        return None
-    if isinstance(obj, Mapping):
-        return obj.get(key)
-    return getattr(obj, key, None)

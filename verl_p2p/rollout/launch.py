@@ -21,6 +21,7 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from verl_p2p.config import config_field
 from verl_p2p.errors import P2PConfigError
 
 logger = logging.getLogger(__name__)
@@ -44,13 +45,13 @@ def p2p_server_args(base_port: int = DEFAULT_BASE_PORT) -> dict[str, Any]:
 
 
 def uses_p2p(rollout_config: Any) -> bool:
-    checkpoint_engine = _get(rollout_config, "checkpoint_engine")
-    return _get(checkpoint_engine, "backend") == "p2p"
+    checkpoint_engine = config_field(rollout_config, "checkpoint_engine")
+    return config_field(checkpoint_engine, "backend") == "p2p"
 
 
 def sglang_kwargs(rollout_config: Any) -> dict[str, Any]:
-    engine_kwargs = _get(rollout_config, "engine_kwargs") or {}
-    return dict(_get(engine_kwargs, "sglang") or {})
+    engine_kwargs = config_field(rollout_config, "engine_kwargs") or {}
+    return dict(config_field(engine_kwargs, "sglang") or {})
 
 
 def server_arg_problems(sglang: Mapping[str, Any]) -> list[str]:
@@ -165,11 +166,3 @@ def _port(value: Any) -> bool:
         return 1 <= int(value) <= 65535 and not isinstance(value, bool)
     except (TypeError, ValueError):
         return False
-
-
-def _get(obj: Any, key: str) -> Any:
-    if obj is None:
-        return None
-    if isinstance(obj, Mapping):
-        return obj.get(key)
-    return getattr(obj, key, None)

@@ -22,8 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from verl_p2p.config import P2PConfig  # noqa: E402
-from verl_p2p.lifecycle import SyncLifecycle  # noqa: E402
 from verl_p2p.rollout.adapter import P2PReplicaAdapter  # noqa: E402
+from verl_p2p.rollout.lifecycle import SyncLifecycle  # noqa: E402
 
 
 async def measure_overhead(adapters, *, syncs: int = 30, warmup: int = 3, frees_kv: bool = True) -> dict:

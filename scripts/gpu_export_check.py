@@ -12,7 +12,7 @@ Prints a table, writes JSON (`--json-out`), exits 1 on any mismatch.
 
 Needs only torch, megatron-core, megatron-bridge, transformers, safetensors, einops (+ their import-time deps);
 not verl: the repo's `verl_p2p` package is mapped without running its `__init__`. Without transformer_engine,
-verl_p2p.cpu_megatron installs its import stub and builds local (TE-free) layers. Import-time requirements
+verl_p2p.sandbox.cpu_megatron installs its import stub and builds local (TE-free) layers. Import-time requirements
 beyond torch and its own deps, found by blocking modules one at a time on the CPU host: megatron-core 0.19.2,
 megatron-bridge 0.6.2 (install --no-deps), transformers 5.10.4, safetensors, einops, tokenizers, huggingface-hub,
 regex, pyyaml, tqdm, httpx (+ httpcore, h11, idna, certifi, anyio), rich, omegaconf, antlr4-python3-runtime,
@@ -47,7 +47,7 @@ _import_paths()
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from verl_p2p.cpu_megatron import Parallel, build_tiny_megatron, install_te_stub  # noqa: E402
+from verl_p2p.sandbox.cpu_megatron import Parallel, build_tiny_megatron, install_te_stub  # noqa: E402
 
 
 def _args() -> argparse.Namespace:
@@ -99,7 +99,7 @@ def _model_config(args: argparse.Namespace) -> dict:
 
 
 def _write_checkpoint(args: argparse.Namespace, rank: int, dtype: torch.dtype) -> Path:
-    from verl_p2p.tiny import write_tiny_checkpoint
+    from verl_p2p.sandbox.tiny import write_tiny_checkpoint
 
     cfg = _model_config(args)
     path = Path(args.workdir) / f"{args.arch}_h{args.hidden}_l{args.layers}_v{args.vocab}_{str(dtype)[6:]}"
@@ -163,8 +163,8 @@ def main() -> int:
     from megatron.core import parallel_state as mpu
     from safetensors import safe_open
 
-    from verl_p2p.export import StageExporter
-    from verl_p2p.export_guard import stage_collective_guard
+    from verl_p2p.trainer.export import StageExporter
+    from verl_p2p.trainer.stage_guard import stage_collective_guard
 
     hf_dir = _write_checkpoint(args, rank, dtype)
     par = Parallel(tp=tp, pp=pp, ep=ep, etp=1 if ep > 1 else None)

@@ -34,7 +34,7 @@ from bench_lifecycle import measure_overhead  # noqa: E402
 
 from verl_p2p.config import P2PConfig  # noqa: E402
 from verl_p2p.rollout.adapter import P2PReplicaAdapter  # noqa: E402
-from verl_p2p.tiny import write_tiny_checkpoint  # noqa: E402
+from verl_p2p.sandbox.tiny import write_tiny_checkpoint  # noqa: E402
 
 GOAL_MS = 50.0
 SEQUENCE = [

@@ -7,10 +7,10 @@ import logging
 
 import pytest
 
-from verl_p2p.checker import WeightUpdateChecker, checker_fields
 from verl_p2p.config import P2PConfig
-from verl_p2p.lifecycle import SyncError, SyncLifecycle
 from verl_p2p.rollout.adapter import P2PReplicaAdapter
+from verl_p2p.rollout.checker import WeightUpdateChecker, checker_fields
+from verl_p2p.rollout.lifecycle import SyncError, SyncLifecycle
 
 
 def lifecycle_for(servers, resumed: bool = False, **options) -> SyncLifecycle:
@@ -104,7 +104,7 @@ SKIP = {"skip_tensor_list": ["k_scale", "v_scale"]}
 def test_fields_gated_by_server_version(fakes, version, reset_fields, compare_fields, notes, caplog):
     servers = fakes(1, version=version)
     options = {"check_weight_update_allow_quant_error": True, "check_weight_update_skip_list": ("k_scale", "v_scale")}
-    with caplog.at_level(logging.WARNING, logger="verl_p2p.checker"):
+    with caplog.at_level(logging.WARNING, logger="verl_p2p.rollout.checker"):
         asyncio.run(lifecycle_for(servers, **options).sync(1, writer(servers)))
     assert servers[0].bodies["weights_checker"] == [
         {"action": "snapshot"},
@@ -139,7 +139,7 @@ def test_dropped_skip_list_is_named_in_the_failure(fakes):
 
 def test_skipped_when_resumed_from_checkpoint(fakes, caplog):
     servers = fakes(2)
-    with caplog.at_level(logging.INFO, logger="verl_p2p.checker"):
+    with caplog.at_level(logging.INFO, logger="verl_p2p.rollout.checker"):
         lifecycle = lifecycle_for(servers, resumed=True)
     asyncio.run(lifecycle.sync(1, writer(servers)))
     assert lifecycle.checker.state == "skipped"

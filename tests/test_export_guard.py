@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import torch
 
-from verl_p2p.cpu_megatron import init_distributed, run_group
+from verl_p2p.sandbox.cpu_megatron import init_distributed, run_group
 
 
 def _guard_cases(rank: int, world: int, port: int) -> dict:
     import torch.distributed as dist
 
-    from verl_p2p.export_guard import CrossStageCollectiveError, stage_collective_guard
+    from verl_p2p.trainer.stage_guard import CrossStageCollectiveError, stage_collective_guard
 
     init_distributed(rank, world, port)
     solo = [dist.new_group([r]) for r in range(world)]  # every rank must create every group

@@ -17,8 +17,8 @@ import pytest
 from safetensors import safe_open
 from support.export_cases import ModelCase, add_mtp_tensors, run_cases
 
-from verl_p2p.cpu_megatron import Parallel, run_group
-from verl_p2p.tiny import write_tiny_checkpoint
+from verl_p2p.sandbox.cpu_megatron import Parallel, run_group
+from verl_p2p.sandbox.tiny import write_tiny_checkpoint
 
 pytestmark = pytest.mark.slow
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from verl_p2p.errors import P2PError
-from verl_p2p.export_stage import ExportStage, drive_export, stage_of
-from verl_p2p.plan import SourceRank, build_transfer_plan
-from verl_p2p.targets import TargetRank
+from verl_p2p.planning.plan import SourceRank, build_transfer_plan
+from verl_p2p.planning.targets import TargetRank
+from verl_p2p.trainer.senders import ExportStage, drive_export, stage_of
 
 # TP2 x PP2 in Megatron's default order: ranks 0,1 are stage 0, ranks 2,3 stage 1
 SOURCES = [SourceRank(0, 0), SourceRank(1, 0), SourceRank(2, 1), SourceRank(3, 1)]
@@ -59,7 +59,7 @@ def test_invalid_stage_descriptions_are_rejected():
         stage_of(7, SOURCES, senders=[])
 
 
-# ---------------------------------------------------------------------------- fallback decisions (verl_p2p.export)
+# ------------------------------------------------------------------ fallback decisions (verl_p2p.trainer.export)
 
 
 class _BridgeStandIn:
@@ -86,7 +86,7 @@ def _chunk(extra: str | None = None) -> torch.nn.Module:
 
 
 def test_fallback_is_chosen_with_its_reason():
-    from verl_p2p.export import choose_export_mode
+    from verl_p2p.trainer.export import choose_export_mode
 
     assert choose_export_mode([_chunk()], _BridgeStandIn()).mode == "pp_local"
     fp8 = choose_export_mode([_chunk()], _BridgeStandIn("fp8"))
@@ -97,7 +97,7 @@ def test_fallback_is_chosen_with_its_reason():
 
 
 def test_fallback_filter_keeps_exactly_this_stages_names():
-    from verl_p2p.export import StageOwnership
+    from verl_p2p.trainer.export import StageOwnership
 
     last = StageOwnership(
         names=frozenset({"model.norm.weight", "model.layers.1.mlp.experts.0.up_proj.weight"}),

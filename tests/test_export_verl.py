@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from verl_p2p.cpu_megatron import run_group
+from verl_p2p.sandbox.cpu_megatron import run_group
 
 
 class _Recorder:
@@ -27,7 +27,7 @@ class _Recorder:
 
 
 def _verl_checks(rank: int, world: int, port: int) -> dict:
-    from verl_p2p.cpu_megatron import install_te_stub
+    from verl_p2p.sandbox.cpu_megatron import install_te_stub
 
     install_te_stub()
     from verl.experimental.separation.engine_workers import DetachActorWorker
@@ -35,7 +35,7 @@ def _verl_checks(rank: int, world: int, port: int) -> dict:
     from verl.workers.engine.megatron.transformer_impl import MegatronEngine
     from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 
-    from verl_p2p.verl_engine import (
+    from verl_p2p.trainer.verl_engine import (
         EngineAccessError,
         find_megatron_engine,
         find_owning_worker,

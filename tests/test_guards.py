@@ -16,9 +16,9 @@ from support.compose import CONF, OVERLAY, ROOT, compose_config
 from verl.workers.config import CheckpointEngineConfig, RolloutConfig
 from verl.workers.rollout.replica import RolloutMode
 
+from verl_p2p.backend.guards import MAIN_PPO, check_config, config_problems, entry_of, warn_hybrid_actor
+from verl_p2p.backend.hydra_callback import P2PGuardCallback
 from verl_p2p.errors import P2PConfigError
-from verl_p2p.guards import MAIN_PPO, check_config, config_problems, entry_of, warn_hybrid_actor
-from verl_p2p.hydra_callback import P2PGuardCallback
 from verl_p2p.rollout import launch
 from verl_p2p.rollout.launch import BOOTSTRAP_PORT, MEMORY_SAVER, SEED_FLAG
 
@@ -215,9 +215,9 @@ def test_live_server_args_explain_why_nothing_is_published():
 
 
 def test_trainer_rank0_warns_once_about_hybrid_replicas(caplog, monkeypatch):
-    monkeypatch.setattr("verl_p2p.guards._warned", set())
+    monkeypatch.setattr("verl_p2p.backend.guards._warned", set())
     owner = SimpleNamespace(config={"hybrid_engine": True})
-    with caplog.at_level(logging.WARNING, logger="verl_p2p.guards"):
+    with caplog.at_level(logging.WARNING, logger="verl_p2p.backend.guards"):
         warn_hybrid_actor(owner)
         warn_hybrid_actor(owner)
         warn_hybrid_actor(SimpleNamespace(config={"hybrid_engine": False}))

@@ -1,7 +1,7 @@
 import torch
 
-from verl_p2p.hf_specs import hf_specs_from_checkpoint
-from verl_p2p.tiny import hf_tensor_shapes, tiny_config_dict, write_tiny_checkpoint
+from verl_p2p.sandbox.tiny import hf_tensor_shapes, tiny_config_dict, write_tiny_checkpoint
+from verl_p2p.trainer.hf_specs import hf_specs_from_checkpoint
 
 
 def test_specs_match_written_checkpoint(tmp_path):

@@ -16,10 +16,10 @@ from verl.utils.config import omega_conf_to_dataclass
 from verl.utils.import_utils import load_class_from_fqn
 from verl.workers.config import CheckpointEngineConfig, RolloutConfig
 
+from verl_p2p.backend.engine import P2PCheckpointEngine
+from verl_p2p.backend.guards import check_config, entry_of
+from verl_p2p.backend.manager import P2PCheckpointEngineManager
 from verl_p2p.config import P2PConfig
-from verl_p2p.engine import P2PCheckpointEngine
-from verl_p2p.guards import check_config, entry_of
-from verl_p2p.manager import P2PCheckpointEngineManager
 from verl_p2p.rollout.launch import p2p_server_args
 
 RECIPES = sorted((ROOT / "recipes").glob("*.sh"))
@@ -33,7 +33,7 @@ def check_p2p_config(cfg, module: str) -> RolloutConfig:
     P2PConfig.from_mapping(rollout.checkpoint_engine.engine_kwargs.p2p)
     check_config(cfg, entry_of(cfg, _task(module)))
     assert OmegaConf.to_container(cfg.hydra.callbacks) == {
-        "verl_p2p_guard": {"_target_": "verl_p2p.hydra_callback.P2PGuardCallback"}
+        "verl_p2p_guard": {"_target_": "verl_p2p.backend.hydra_callback.P2PGuardCallback"}
     }
     task = OmegaConf.to_container(cfg)
     del task["hydra"]  # what the task function gets
@@ -64,7 +64,7 @@ def test_conf_sets_every_p2p_option_with_its_default_and_the_server_args():
     defaults = {f.name: f.default for f in dataclasses.fields(P2PConfig) if f.name != "extra"}
     assert P2PConfig.from_mapping(p2p) == P2PConfig(**{**defaults, "check_weight_update_skip_list": ()})
     assert rollout["engine_kwargs"]["sglang"] == p2p_server_args()
-    assert rollout["checkpoint_manager_class"] == "verl_p2p.manager.P2PCheckpointEngineManager"
+    assert rollout["checkpoint_manager_class"] == "verl_p2p.backend.manager.P2PCheckpointEngineManager"
 
 
 @pytest.mark.parametrize(

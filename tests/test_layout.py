@@ -3,7 +3,7 @@
 import pytest
 
 from verl_p2p.errors import UnsupportedLayoutError
-from verl_p2p.layout import layout_from_server_args
+from verl_p2p.planning.layout import layout_from_server_args
 
 
 def test_tp_ep_layout():

@@ -10,9 +10,9 @@ import pytest
 from support.fake_sglang import FakeSGLang
 
 from verl_p2p.config import P2PConfig
-from verl_p2p.lifecycle import Connection, SyncError, SyncLifecycle
+from verl_p2p.planning.targets import TargetRank
 from verl_p2p.rollout.adapter import P2PReplicaAdapter
-from verl_p2p.targets import TargetRank
+from verl_p2p.rollout.lifecycle import Connection, SyncError, SyncLifecycle
 
 FULL = [
     "pause_generation",

@@ -13,14 +13,14 @@ import pytest
 import requests
 import torch
 
-from verl_p2p.layout import layout_from_server_args
 from verl_p2p.loopback.checker import CheckFailed, Placement, WeightChecker
 from verl_p2p.loopback.control import ControlContext, ThreadedServer, create_app
 from verl_p2p.loopback.engine import EngineSpec, free_port, loopback_engines
 from verl_p2p.loopback.features import Features, parse_version
 from verl_p2p.loopback.lifecycle import Lifecycle, Refused
-from verl_p2p.targets import RemoteRankInfo
-from verl_p2p.tiny import write_tiny_checkpoint
+from verl_p2p.planning.layout import layout_from_server_args
+from verl_p2p.planning.targets import RemoteRankInfo
+from verl_p2p.sandbox.tiny import write_tiny_checkpoint
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 API_KEY = "loopback-test-key"

@@ -17,17 +17,17 @@ from support.fake_sglang import FakeSGLang
 from verl.checkpoint_engine import CheckpointEngineRegistry
 from verl.workers.config import CheckpointEngineConfig
 
+from verl_p2p.backend.manager import P2PCheckpointEngineManager
+from verl_p2p.backend.roles import TrainerIdentity
 from verl_p2p.errors import P2PConfigError, P2PError
-from verl_p2p.manager import P2PCheckpointEngineManager
-from verl_p2p.roles import TrainerIdentity
+from verl_p2p.planning.targets import TargetRank
 from verl_p2p.rollout.launch import BOOTSTRAP_PORT, MEMORY_SAVER, SEED_FLAG
-from verl_p2p.targets import TargetRank
 
 SYNC = ["pause_generation", "begin_weight_update", "update_weight_version", "end_weight_update", "continue_generation"]
 
 
 class SourceSessionStandIn:
-    """Stand-in for verl_p2p.source.SourceSession: records plans, 'pushes' by counting targets."""
+    """Stand-in for verl_p2p.trainer.source.SourceSession: records plans, 'pushes' by counting targets."""
 
     fail_with: Exception | None = None
 
@@ -90,7 +90,7 @@ def fakes():
 
 @pytest.fixture
 def setup(fakes, monkeypatch):
-    monkeypatch.setattr("verl_p2p.source.SourceSession", SourceSessionStandIn)
+    monkeypatch.setattr("verl_p2p.trainer.source.SourceSession", SourceSessionStandIn)
     monkeypatch.setattr(SourceSessionStandIn, "fail_with", None)
     actors = ActorGroupStandIn(world_size=2)
     config = CheckpointEngineConfig(backend="p2p", engine_kwargs={"p2p": {"http_timeout": 10}})

@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from verl_p2p.plan import SourceRank, build_transfer_plan
-from verl_p2p.targets import TargetRank
+from verl_p2p.planning.plan import SourceRank, build_transfer_plan
+from verl_p2p.planning.targets import TargetRank
 
 
 def _targets(ranks_per_engine):

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from verl_p2p.bench import BenchShape, run_bench
+from verl_p2p.cli.bench import BenchShape, run_bench
 
 pytestmark = pytest.mark.slow
 

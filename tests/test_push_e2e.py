@@ -17,9 +17,9 @@ import torch
 from support import replica_harness as harness
 
 from verl_p2p.errors import RemoteMismatchError
-from verl_p2p.plan import SourceRank, build_transfer_plan
-from verl_p2p.push import IncompletePushError, PushTarget, push
-from verl_p2p.targets import RemoteParam, RemoteRankInfo, TargetRank
+from verl_p2p.planning.plan import SourceRank, build_transfer_plan
+from verl_p2p.planning.targets import RemoteParam, RemoteRankInfo, TargetRank
+from verl_p2p.trainer.push import IncompletePushError, PushTarget, push
 from verl_p2p.transfer.buffers import TransferBuffers
 from verl_p2p.transfer.mooncake import MooncakeTransport
 from verl_p2p.transfer.receiver import FILL_BYTE, spec_from_plan, start_receivers, stop_all
@@ -38,8 +38,8 @@ def model(tmp_path_factory):
     """The checkpoint both sides load; the HF stream is its tensors, in checkpoint order."""
     from safetensors.torch import load_file
 
-    from verl_p2p.compat import install_cpu_stubs
-    from verl_p2p.tiny import hf_tensor_shapes, write_tiny_checkpoint
+    from verl_p2p.sandbox.cpu_stubs import install_cpu_stubs
+    from verl_p2p.sandbox.tiny import hf_tensor_shapes, write_tiny_checkpoint
 
     install_cpu_stubs()
     root = tmp_path_factory.mktemp("push_e2e")
@@ -79,7 +79,7 @@ def expected(witness_run, replicas):  # replicas: built while the witnesses run
 
 @pytest.fixture(scope="module")
 def replicas(model):
-    from verl_p2p.layout import layout_from_server_args
+    from verl_p2p.planning.layout import layout_from_server_args
     from verl_p2p.replica.stream import RankReplica
 
     cfg, specs, _, _, _ = model
@@ -204,7 +204,7 @@ def _pp_stage_of(hf_name: str) -> int:
 def test_pp_stages_each_write_their_share_of_every_rank(tmp_path, request, model, replicas, fresh, transports):
     """PP > 1: each target has one sender per stage; each stage streams only its tensors and writes only the
     parameters they feed. Together the two stages write every byte of every rank exactly once."""
-    from verl_p2p.push import StageShare
+    from verl_p2p.trainer.push import StageShare
 
     _, _, hf, _, _ = model
     targets = sorted(replicas)
@@ -243,7 +243,7 @@ def test_pp_stages_each_write_their_share_of_every_rank(tmp_path, request, model
 
 def test_stage_share_refuses_a_parameter_split_across_stages(replicas):
     from verl_p2p.errors import UnsupportedLayoutError
-    from verl_p2p.push import StageShare
+    from verl_p2p.trainer.push import StageShare
 
     replica = replicas[TargetRank(0, 0)]
     split = StageShare(owns=lambda n: not n.endswith("k_proj.weight"), writes_feedless=True)  # q/v here, k elsewhere

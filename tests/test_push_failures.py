@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from verl_p2p.errors import TransferError
-from verl_p2p.push import PushTarget, push
-from verl_p2p.targets import TargetRank
+from verl_p2p.planning.targets import TargetRank
+from verl_p2p.trainer.push import PushTarget, push
 from verl_p2p.transfer.buffers import TransferBuffers
 from verl_p2p.transfer.mooncake import MooncakeTransport
 from verl_p2p.transfer.receiver import spec_from_plan, start_receivers, stop_all
@@ -82,10 +82,10 @@ class SignalMidWrite:
 
 @pytest.fixture(scope="module")
 def model():
-    from verl_p2p.compat import install_cpu_stubs
-    from verl_p2p.layout import layout_from_server_args
+    from verl_p2p.planning.layout import layout_from_server_args
     from verl_p2p.replica.stream import RankReplica
-    from verl_p2p.tiny import hf_tensor_shapes, tiny_config_dict, tiny_state_dict
+    from verl_p2p.sandbox.cpu_stubs import install_cpu_stubs
+    from verl_p2p.sandbox.tiny import hf_tensor_shapes, tiny_config_dict, tiny_state_dict
 
     install_cpu_stubs()
     cfg = tiny_config_dict("qwen3_moe", **CONFIG)

@@ -37,9 +37,9 @@ def result_of(proc: subprocess.Popen) -> dict:
 DEFAULT = """
         import json, sys
         import verl
-        lazy = {m: m in sys.modules for m in ("verl_p2p", "verl_p2p.engine", "verl.checkpoint_engine")}
+        lazy = {m: m in sys.modules for m in ("verl_p2p", "verl_p2p.backend.engine", "verl.checkpoint_engine")}
         from verl.checkpoint_engine import CheckpointEngineRegistry
-        from verl_p2p.engine import P2PCheckpointEngine
+        from verl_p2p.backend.engine import P2PCheckpointEngine
         cls = CheckpointEngineRegistry.get("p2p")
         from verl.workers.rollout.replica import RolloutReplicaRegistry, _load_sglang
         loader = RolloutReplicaRegistry._registry["sglang"]
@@ -67,9 +67,9 @@ PLUGINS_OFF = """
 
 ENGINE_FIRST = """
     import json
-    from verl_p2p.engine import P2PCheckpointEngine  # imports verl, whose registry import runs our hook
+    from verl_p2p.backend.engine import P2PCheckpointEngine  # imports verl, whose registry import runs our hook
     from verl.checkpoint_engine import CheckpointEngineRegistry
-    from verl_p2p import plugin
+    from verl_p2p.backend import plugin
     print(json.dumps({"is_p2p": CheckpointEngineRegistry.get("p2p") is P2PCheckpointEngine,
                       "errors": [repr(e) for e in plugin.LOAD_ERRORS.values()]}))
 """
@@ -79,7 +79,7 @@ BROKEN = """
 
     class Broken(importlib.abc.MetaPathFinder):  # a dependency of the engine module that cannot load
         def find_spec(self, name, path, target=None):
-            if name == "verl_p2p.topology":
+            if name == "verl_p2p.backend.topology":
                 raise ImportError("simulated: libp2pdep.so: cannot open shared object file")
 
     sys.meta_path.insert(0, Broken())
@@ -119,7 +119,7 @@ def programs() -> dict[str, dict]:
 def test_import_verl_registers_p2p_lazily_and_resolves_it(programs):
     out = programs["default"]
     # the entry point ran inside `import verl` but registered nothing heavy before verl imported its registry
-    assert out["lazy"] == {"verl_p2p": True, "verl_p2p.engine": False, "verl.checkpoint_engine": False}
+    assert out["lazy"] == {"verl_p2p": True, "verl_p2p.backend.engine": False, "verl.checkpoint_engine": False}
     assert out["is_p2p"]
     assert out["others_kept"] == ["mooncake", "naive"]
     assert out["replica_loader_wraps_verls"]
@@ -128,7 +128,7 @@ def test_import_verl_registers_p2p_lazily_and_resolves_it(programs):
 def test_custom_backend_module_registers_when_entry_points_are_off(programs):
     out = programs["plugins_off"]
     assert out["before"] is False  # entry points off: nothing registered p2p during `import verl`
-    assert out["backend_cls"] == "verl_p2p.engine.P2PCheckpointEngine"
+    assert out["backend_cls"] == "verl_p2p.backend.engine.P2PCheckpointEngine"
 
 
 def test_importing_the_engine_module_first_still_registers_it(programs):
@@ -150,8 +150,8 @@ def test_this_process_registered_the_real_engine():
     import verl  # noqa: F401
     from verl.checkpoint_engine import CheckpointEngineRegistry
 
-    from verl_p2p import plugin
-    from verl_p2p.engine import P2PCheckpointEngine
+    from verl_p2p.backend import plugin
+    from verl_p2p.backend.engine import P2PCheckpointEngine
 
     assert plugin.LOAD_ERRORS == {}
     plugin.raise_load_error("backend")  # nothing recorded: no exception

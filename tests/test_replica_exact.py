@@ -12,7 +12,7 @@ import pytest
 from support import replica_harness as harness
 from support.replica_compare import compare_jobs
 
-from verl_p2p.tiny import write_tiny_checkpoint
+from verl_p2p.sandbox.tiny import write_tiny_checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 

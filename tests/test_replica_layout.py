@@ -2,7 +2,7 @@
 
 import pytest
 
-from verl_p2p.layout import layout_from_server_args
+from verl_p2p.planning.layout import layout_from_server_args
 from verl_p2p.replica.rank_context import StandInGroup, base_version, group_ranks
 
 

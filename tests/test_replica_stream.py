@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verl_p2p.compat import install_cpu_stubs
 from verl_p2p.errors import UnsupportedLayoutError
-from verl_p2p.layout import layout_from_server_args
-from verl_p2p.tiny import hf_tensor_shapes, tiny_config_dict, tiny_state_dict
+from verl_p2p.planning.layout import layout_from_server_args
+from verl_p2p.sandbox.cpu_stubs import install_cpu_stubs
+from verl_p2p.sandbox.tiny import hf_tensor_shapes, tiny_config_dict, tiny_state_dict
 
 install_cpu_stubs()
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from support.pp_source import ENGINES, push_stage
 
-from verl_p2p.cpu_megatron import run_group
-from verl_p2p.targets import TargetRank
+from verl_p2p.planning.targets import TargetRank
+from verl_p2p.sandbox.cpu_megatron import run_group
 
 pytestmark = pytest.mark.slow
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
@@ -20,11 +20,11 @@ os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 def test_pp2_trainer_writes_every_byte_of_every_rank_once(tmp_path):
     from safetensors.torch import load_file
 
-    from verl_p2p.compat import install_cpu_stubs
-    from verl_p2p.hf_specs import hf_specs_from_checkpoint
-    from verl_p2p.layout import layout_from_server_args
+    from verl_p2p.planning.layout import layout_from_server_args
     from verl_p2p.replica import RankReplica
-    from verl_p2p.tiny import tiny_config_dict, write_tiny_checkpoint
+    from verl_p2p.sandbox.cpu_stubs import install_cpu_stubs
+    from verl_p2p.sandbox.tiny import tiny_config_dict, write_tiny_checkpoint
+    from verl_p2p.trainer.hf_specs import hf_specs_from_checkpoint
     from verl_p2p.transfer.receiver import spec_from_plan, start_receivers, stop_all
 
     install_cpu_stubs()

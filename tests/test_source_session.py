@@ -13,10 +13,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from verl_p2p.backend.topology import Assignment
 from verl_p2p.config import P2PConfig
-from verl_p2p.layout import layout_from_server_args
-from verl_p2p.targets import TargetRank
-from verl_p2p.topology import Assignment
+from verl_p2p.planning.layout import layout_from_server_args
+from verl_p2p.planning.targets import TargetRank
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 pytestmark = pytest.mark.slow
@@ -29,8 +29,8 @@ TARGET = TargetRank(0, 0)
 def model(tmp_path_factory):
     from safetensors.torch import load_file
 
-    from verl_p2p.compat import install_cpu_stubs
-    from verl_p2p.tiny import hf_tensor_shapes, write_tiny_checkpoint
+    from verl_p2p.sandbox.cpu_stubs import install_cpu_stubs
+    from verl_p2p.sandbox.tiny import hf_tensor_shapes, write_tiny_checkpoint
 
     install_cpu_stubs()
     path = write_tiny_checkpoint(tmp_path_factory.mktemp("source") / "ckpt", "qwen3")
@@ -41,8 +41,8 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def receiver(model):
-    from verl_p2p.hf_specs import hf_specs_from_checkpoint
     from verl_p2p.replica import RankReplica
+    from verl_p2p.trainer.hf_specs import hf_specs_from_checkpoint
     from verl_p2p.transfer.receiver import spec_from_plan, start_receivers, stop_all
 
     cfg, path, _ = model
@@ -69,8 +69,8 @@ class EngineStandIn:
 
 @pytest.fixture
 def session(model, monkeypatch):
-    from verl_p2p import verl_engine
-    from verl_p2p.source import SourceSession
+    from verl_p2p.trainer import verl_engine
+    from verl_p2p.trainer.source import SourceSession
 
     engine = EngineStandIn(*model)
     monkeypatch.setattr(verl_engine, "find_megatron_engine", lambda owner: engine)

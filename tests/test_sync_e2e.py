@@ -22,10 +22,10 @@ import pytest
 from support.sync_mirror import MirrorPush
 
 from verl_p2p.config import P2PConfig
-from verl_p2p.lifecycle import SyncError, SyncLifecycle
 from verl_p2p.loopback.engine import EngineSpec, loopback_engines
 from verl_p2p.rollout.adapter import P2PReplicaAdapter
-from verl_p2p.tiny import write_tiny_checkpoint
+from verl_p2p.rollout.lifecycle import SyncError, SyncLifecycle
+from verl_p2p.sandbox.tiny import write_tiny_checkpoint
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 pytestmark = pytest.mark.slow

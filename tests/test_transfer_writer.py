@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from verl_p2p.errors import RemoteMismatchError, TransferError
-from verl_p2p.targets import RemoteParam, RemoteRankInfo, TargetRank
+from verl_p2p.planning.targets import RemoteParam, RemoteRankInfo, TargetRank
 from verl_p2p.transfer.buffers import TransferBuffers
 from verl_p2p.transfer.mooncake import MooncakeTransport
 from verl_p2p.transfer.receiver import FILL_BYTE, start_receivers, stop_all

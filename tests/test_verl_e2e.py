@@ -126,9 +126,9 @@ def world(tmp_path_factory):
     )
     from verl.workers.config import HFModelConfig
 
-    from verl_p2p import topology
+    from verl_p2p.backend import topology
     from verl_p2p.loopback.engine import EngineSpec, LoopbackEngine
-    from verl_p2p.tiny import write_tiny_checkpoint
+    from verl_p2p.sandbox.tiny import write_tiny_checkpoint
 
     path = write_tiny_checkpoint(tmp_path_factory.mktemp("verl_e2e") / "ckpt", "qwen3_moe")
     w = World()
@@ -331,7 +331,7 @@ def test_stock_manager_syncs_adds_a_replica_and_reuses_the_connection(world):
 def test_p2p_manager_syncs_reuses_and_adds_a_replica(world):
     from verl.workers.config import CheckpointEngineConfig
 
-    from verl_p2p.manager import P2PCheckpointEngineManager
+    from verl_p2p.backend.manager import P2PCheckpointEngineManager
 
     manager = P2PCheckpointEngineManager(
         config=CheckpointEngineConfig(**checkpoint_engine()), actor_wg=world.trainer, replicas=[world.replicas[0]]

@@ -5,18 +5,18 @@ CheckpointEngineRegistry as soon as verl imports its registry (see plugin.py). I
 `verl.plugins` entry point on every `import verl`, or by `checkpoint_engine.custom_backend_module=verl_p2p`.
 """
 
-from verl_p2p import plugin as _plugin
+from verl_p2p.backend import plugin as _plugin
 
 __version__ = "0.1.0"
 
 _plugin.install()
 
 _PUBLIC = {
-    "P2PCheckpointEngine": "verl_p2p.engine",
-    "P2PCheckpointEngineManager": "verl_p2p.manager",
+    "P2PCheckpointEngine": "verl_p2p.backend.engine",
+    "P2PCheckpointEngineManager": "verl_p2p.backend.manager",
     "P2PConfig": "verl_p2p.config",
-    "P2PGuardCallback": "verl_p2p.hydra_callback",
-    "check_config": "verl_p2p.guards",
+    "P2PGuardCallback": "verl_p2p.backend.hydra_callback",
+    "check_config": "verl_p2p.backend.guards",
 }
 __all__ = ["__version__", *_PUBLIC]
 

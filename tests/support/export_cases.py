@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from verl_p2p.cpu_megatron import Parallel, build_tiny_megatron, init_distributed
+from verl_p2p.sandbox.cpu_megatron import Parallel, build_tiny_megatron, init_distributed
 
 
 @dataclass(frozen=True)
@@ -117,8 +117,8 @@ def check_model(case: ModelCase) -> StageReport:
     from megatron.core import parallel_state as mpu
     from safetensors.torch import load_file
 
-    from verl_p2p.export import StageExporter
-    from verl_p2p.export_guard import stage_collective_guard
+    from verl_p2p.trainer.export import StageExporter
+    from verl_p2p.trainer.stage_guard import stage_collective_guard
 
     modules, bridge = build_tiny_megatron(case.hf_dir, case.par)
     rank = torch.distributed.get_rank()
@@ -161,7 +161,7 @@ def check_model(case: ModelCase) -> StageReport:
 
 def guard_fires_on_cross_stage_broadcast(stage: tuple[int, ...]) -> str:
     """Every rank broadcasts over WORLD under the guard: each must raise before communicating."""
-    from verl_p2p.export_guard import CrossStageCollectiveError, stage_collective_guard
+    from verl_p2p.trainer.stage_guard import CrossStageCollectiveError, stage_collective_guard
 
     t = torch.zeros(4)
     try:
@@ -194,11 +194,11 @@ def fewer_targets_than_ranks(case: ModelCase) -> dict:
     """A plan with one rollout target: one sender per stage writes, the other ranks drain; nothing hangs."""
     from megatron.core import parallel_state as mpu
 
-    from verl_p2p.export import StageExporter
-    from verl_p2p.export_guard import stage_collective_guard
-    from verl_p2p.export_stage import drive_export, gather_sources, stage_of
-    from verl_p2p.plan import build_transfer_plan
-    from verl_p2p.targets import TargetRank
+    from verl_p2p.planning.plan import build_transfer_plan
+    from verl_p2p.planning.targets import TargetRank
+    from verl_p2p.trainer.export import StageExporter
+    from verl_p2p.trainer.senders import drive_export, gather_sources, stage_of
+    from verl_p2p.trainer.stage_guard import stage_collective_guard
 
     modules, bridge = build_tiny_megatron(case.hf_dir, case.par)
     sources = gather_sources()
@@ -229,7 +229,7 @@ def verl_engine_export(case: ModelCase) -> dict:
     """verl's real MegatronEngine class holding the chunks and bridge (its __init__ needs a GPU): exporter path."""
     from verl.workers.engine.megatron.transformer_impl import MegatronEngine
 
-    from verl_p2p.verl_engine import engine_exporter, export_engine_stage, find_megatron_engine
+    from verl_p2p.trainer.verl_engine import engine_exporter, export_engine_stage, find_megatron_engine
 
     modules, bridge = build_tiny_megatron(case.hf_dir, case.par)
     engine = object.__new__(MegatronEngine)

@@ -12,13 +12,13 @@ ENGINES = {0: {"tp_size": 2, "ep_size": 2, "dtype": "float32"}, 1: {"tp_size": 2
 
 def push_stage(rank: int, world: int, port: int, model_dir: str, rank_infos: dict) -> dict[str, Any]:
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-    from verl_p2p.compat import install_cpu_stubs
+    from verl_p2p.backend.topology import SourceMeta, assign
+    from verl_p2p.cli.demo import trainer_engine
     from verl_p2p.config import P2PConfig
-    from verl_p2p.cpu_megatron import Parallel, init_distributed
-    from verl_p2p.demo import trainer_engine
-    from verl_p2p.layout import layout_from_server_args
-    from verl_p2p.source import SourceSession
-    from verl_p2p.topology import SourceMeta, assign
+    from verl_p2p.planning.layout import layout_from_server_args
+    from verl_p2p.sandbox.cpu_megatron import Parallel, init_distributed
+    from verl_p2p.sandbox.cpu_stubs import install_cpu_stubs
+    from verl_p2p.trainer.source import SourceSession
 
     install_cpu_stubs()
     init_distributed(rank, world, port)

@@ -17,9 +17,9 @@ def _compare_job(job: dict, world: int, out: str) -> dict:
     import torch
     from safetensors.torch import load_file
 
-    from verl_p2p.layout import layout_from_server_args
+    from verl_p2p.planning.layout import layout_from_server_args
     from verl_p2p.replica import RankReplica, check_hf_coverage
-    from verl_p2p.tiny import hf_tensor_shapes
+    from verl_p2p.sandbox.tiny import hf_tensor_shapes
 
     out = os.path.join(out, job["tag"])
     info = json.load(open(os.path.join(out, "server_info.json")))
@@ -70,7 +70,7 @@ def _compare_job(job: dict, world: int, out: str) -> dict:
 
 
 def compare_jobs(spec_paths) -> list[dict]:
-    from verl_p2p.compat import install_cpu_stubs
+    from verl_p2p.sandbox.cpu_stubs import install_cpu_stubs
 
     install_cpu_stubs()
     results = []

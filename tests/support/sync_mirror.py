@@ -3,7 +3,7 @@
 Every rank gets its own start-up weights (SGLang's load, read once with `dump`) scaled by a factor, written
 with one-sided Mooncake tcp writes through verl_p2p's real `Writer` (one lane per target, the
 p2p_transfer_timeout deadline, failures naming engine / rank / session), in batches of at most `bucket_bytes`
-per target. Like `verl_p2p.push.push`, a failed target's later writes are dropped, the other targets still get
+per target. Like `verl_p2p.trainer.push.push`, a failed target's later writes are dropped, the other targets still get
 all their bytes, and the push raises `push_error` naming every failed target at the end.
 
 Why not SourceSession: the trainer-side replica reproduces only its own SGLang release's bytes and refuses a
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from verl_p2p.targets import TargetRank
+from verl_p2p.planning.targets import TargetRank
 from verl_p2p.transfer.mooncake import MooncakeTransport
 from verl_p2p.transfer.writer import TargetFailure, WriteEntry, Writer, push_error
 

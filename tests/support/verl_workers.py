@@ -128,8 +128,8 @@ def _cpu_training_worker(config: Any) -> Any:
     given the attributes its export methods read. Its `get_per_tensor_param` is verl's, with the move of the
     parameters to the GPU (`load_megatron_model_to_gpu`) made the identity: the host has no GPU.
     """
-    from verl_p2p.compat import install_cpu_stubs
-    from verl_p2p.cpu_megatron import Parallel, build_tiny_megatron, install_te_stub
+    from verl_p2p.sandbox.cpu_megatron import Parallel, build_tiny_megatron, install_te_stub
+    from verl_p2p.sandbox.cpu_stubs import install_cpu_stubs
 
     install_te_stub()  # megatron-core's modules first, then the import-only transformer_engine stub
     install_cpu_stubs()  # SGLang's model classes (the p2p replica) on a CPU host

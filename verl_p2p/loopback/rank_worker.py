@@ -158,7 +158,7 @@ def rank_main(args: RankArgs, conn: Connection, parent_pid: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the parent, which stops the ranks
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     try:
-        from verl_p2p.compat import install_cpu_stubs
+        from verl_p2p.sandbox.cpu_stubs import install_cpu_stubs
 
         install_cpu_stubs()
         model = _load_builder(args.builder)(

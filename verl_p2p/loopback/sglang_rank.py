@@ -7,7 +7,7 @@ checkpoint with SGLang's own model loader. The trainer-side replica fakes all of
 this module shares no code with it, so agreement between the two is evidence, not tautology.
 
 CPU stand-in notes: `device` is forced to "cpu" (no kernels run: there is no forward pass), gloo is the
-backend, and `verl_p2p.compat.install_cpu_stubs()` supplies the `vllm._custom_ops` module SGLang's
+backend, and `verl_p2p.sandbox.cpu_stubs.install_cpu_stubs()` supplies the `vllm._custom_ops` module SGLang's
 rotary embedding imports on hosts without CUDA.
 """
 
@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from verl_p2p.compat import install_cpu_stubs
 from verl_p2p.errors import P2PConfigError
+from verl_p2p.sandbox.cpu_stubs import install_cpu_stubs
 
 WITNESS_VERSIONS = ("0.5.12", "0.5.23")
 

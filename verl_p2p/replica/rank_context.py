@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from verl_p2p.errors import UnsupportedLayoutError
-from verl_p2p.layout import RankLayout, check_reproducible, layout_from_server_args
+from verl_p2p.planning.layout import RankLayout, check_reproducible, layout_from_server_args
 
 _LOCK = threading.RLock()
 
@@ -481,7 +481,7 @@ class _RuntimeContextAdapter:
         if placed != expected:
             raise UnsupportedLayoutError(
                 f"SGLang {ctx.version} places rank {layout.tp_rank} at {placed}, the p2p layout says {expected}: "
-                "the layout arithmetic in verl_p2p/layout.py no longer matches this SGLang release"
+                "the layout arithmetic in verl_p2p/planning/layout.py no longer matches this SGLang release"
             )
         self._active = None
 

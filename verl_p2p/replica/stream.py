@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from verl_p2p.errors import P2PError
-from verl_p2p.layout import RankLayout
+from verl_p2p.planning.layout import RankLayout
 from verl_p2p.replica.plan import (
     HFSpecs,
     ParamPlan,

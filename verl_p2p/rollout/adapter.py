@@ -13,9 +13,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from verl_p2p.config import P2PConfig
-from verl_p2p.layout import RankLayout, layout_from_server_args
+from verl_p2p.planning.layout import RankLayout, layout_from_server_args
+from verl_p2p.planning.targets import RemoteRankInfo
 from verl_p2p.rollout.client import RankAnswer, SGLangClient, normalize_url
-from verl_p2p.targets import RemoteRankInfo
 
 DEFAULT_BOOTSTRAP_PORT = 6789  # SGLang's ServerArgs.engine_info_bootstrap_port default (0.5.12 - 0.5.23)
 

@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from verl_p2p.errors import RolloutHTTPError
-from verl_p2p.targets import RemoteRankInfo
+from verl_p2p.planning.targets import RemoteRankInfo
 
 logger = logging.getLogger(__name__)
 

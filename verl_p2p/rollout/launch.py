@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from verl_p2p.config import config_field
@@ -147,18 +147,6 @@ def apply_to_replica(replica: Any) -> None:
     config = copy.copy(config)  # never change a config another replica may share
     config.engine_kwargs = {**(config.engine_kwargs or {}), "sglang": new}
     replica.config = config
-
-
-def wrap_replica_loader(original: Callable[[], type]) -> Callable[[], type]:
-    """verl's `sglang` replica loader, returning P2PSGLangReplica (which behaves as verl's unless backend=p2p)."""
-
-    def load() -> type:
-        from verl_p2p.rollout.sglang_replica import P2PSGLangReplica
-
-        return P2PSGLangReplica
-
-    load.original = original
-    return load
 
 
 def _port(value: Any) -> bool:

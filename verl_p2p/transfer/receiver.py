@@ -60,7 +60,7 @@ class ReceiverProcess:
 
     def remote_info(self):
         """What this receiver published, as the trainer side parses it."""
-        from verl_p2p.targets import RemoteParam, RemoteRankInfo
+        from verl_p2p.planning.targets import RemoteParam, RemoteRankInfo
 
         params = {n: RemoteParam(int(v[0]), int(v[1]), int(v[2])) for n, v in self.weights_info.items()}
         return RemoteRankInfo(self.session_id, params)

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from verl_p2p.errors import RemoteMismatchError, TransferError
-from verl_p2p.targets import RemoteRankInfo, TargetRank
+from verl_p2p.planning.targets import RemoteRankInfo, TargetRank
 from verl_p2p.transfer.base import Transport
 
 logger = logging.getLogger(__name__)

@@ -53,7 +53,7 @@ def trainer_engine(model_dir: Path, parallel: Any = None) -> Any:
     from transformers import AutoConfig
     from verl.workers.engine.megatron.transformer_impl import MegatronEngine
 
-    from verl_p2p.cpu_megatron import Parallel, build_tiny_megatron, free_port, init_distributed
+    from verl_p2p.sandbox.cpu_megatron import Parallel, build_tiny_megatron, free_port, init_distributed
 
     if not torch.distributed.is_initialized():
         init_distributed(0, 1, free_port())
@@ -90,13 +90,13 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
 
 
 async def _run(args: argparse.Namespace, workdir: Path) -> int:
+    from verl_p2p.backend.topology import SourceMeta, assign
     from verl_p2p.config import P2PConfig
-    from verl_p2p.lifecycle import SyncLifecycle
     from verl_p2p.loopback.engine import EngineSpec, LoopbackEngine
     from verl_p2p.rollout.adapter import P2PReplicaAdapter
-    from verl_p2p.source import SourceSession
-    from verl_p2p.tiny import write_tiny_checkpoint
-    from verl_p2p.topology import SourceMeta, assign
+    from verl_p2p.rollout.lifecycle import SyncLifecycle
+    from verl_p2p.sandbox.tiny import write_tiny_checkpoint
+    from verl_p2p.trainer.source import SourceSession
 
     t0 = time.perf_counter()
     model_dir = write_tiny_checkpoint(workdir / "qwen3_moe", "qwen3_moe", id_encoded=False, seed=args.seed)
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--corrupt-after-step", type=int, default=None, help=argparse.SUPPRESS)  # see the docstring
     args = parser.parse_args(argv)
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-    from verl_p2p.compat import install_cpu_stubs
+    from verl_p2p.sandbox.cpu_stubs import install_cpu_stubs
 
     install_cpu_stubs()
     with tempfile.TemporaryDirectory(prefix="verl-p2p-demo-") as tmp:

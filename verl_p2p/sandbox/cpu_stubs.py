@@ -13,7 +13,7 @@ import types
 
 
 def _rotary_embedding_stand_in(*args, **kwargs):
-    raise RuntimeError("vllm._custom_ops stand-in (verl_p2p.compat): no forward pass on a CPU-only host")
+    raise RuntimeError("vllm._custom_ops stand-in (verl_p2p.sandbox.cpu_stubs): no forward pass on a CPU-only host")
 
 
 def install_cpu_stubs() -> bool:

@@ -1,4 +1,4 @@
-"""`verl-p2p demo | plan | bench | serve-loopback`: the command-line entry points."""
+"""`verl-p2p demo | plan | bench | serve-loopback`: the command-line entry points (one module per command)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import sys
 
 
 def _plan(argv: list[str]) -> int:
-    from verl_p2p.plan import SourceRank, build_transfer_plan
-    from verl_p2p.targets import TargetRank
+    from verl_p2p.planning.plan import SourceRank, build_transfer_plan
+    from verl_p2p.planning.targets import TargetRank
 
     parser = argparse.ArgumentParser(prog="verl-p2p plan", description="Print the transfer plan for a shape.")
     parser.add_argument("--sources-per-stage", type=int, default=2)
@@ -28,8 +28,8 @@ def _plan(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {
-        "demo": "verl_p2p.demo",
-        "bench": "verl_p2p.bench",
+        "demo": "verl_p2p.cli.demo",
+        "bench": "verl_p2p.cli.bench",
         "serve-loopback": "verl_p2p.loopback.__main__",
     }
     if not argv or argv[0] in ("-h", "--help") or (argv[0] not in commands and argv[0] != "plan"):

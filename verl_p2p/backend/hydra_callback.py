@@ -13,8 +13,8 @@ from typing import Any
 
 from hydra.experimental.callback import Callback
 
+from verl_p2p.backend.guards import check_config, entry_of
 from verl_p2p.errors import P2PConfigError
-from verl_p2p.guards import check_config, entry_of
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
-from verl_p2p.targets import TargetRank
+from verl_p2p.planning.targets import TargetRank
 
 
 @dataclass(frozen=True, order=True)

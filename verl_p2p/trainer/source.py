@@ -13,9 +13,9 @@ import logging
 from collections.abc import Hashable, Iterable
 from typing import Any
 
+from verl_p2p.backend.topology import Assignment, layout_key
 from verl_p2p.config import P2PConfig
 from verl_p2p.errors import P2PError
-from verl_p2p.topology import Assignment, layout_key
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class SourceSession:
 
     def __init__(self, config: P2PConfig, owner: Any, hostname: str | None = None, checkpoint_engine: Any = None):
         try:
-            from verl_p2p.verl_engine import engine_exporter, find_megatron_engine, find_owning_worker
+            from verl_p2p.trainer.verl_engine import engine_exporter, find_megatron_engine, find_owning_worker
         except ImportError as exc:
             raise _NO_BRIDGE(exc) from exc
         if owner is None:  # the engine was not built inside a verl worker method: find the worker holding it
@@ -68,8 +68,8 @@ class SourceSession:
 
     def apply(self, assignment: Assignment) -> None:
         """Take plan `assignment.generation`: build replicas for new layouts and a writer for these targets."""
-        from verl_p2p.export_stage import ExportStage
-        from verl_p2p.push import PushTarget
+        from verl_p2p.trainer.push import PushTarget
+        from verl_p2p.trainer.senders import ExportStage
         from verl_p2p.transfer.writer import Writer
 
         self.stage = ExportStage(
@@ -106,7 +106,7 @@ class SourceSession:
         of the model computes it at the same generation: the first call exchanges names over the PP group."""
         if assignment.pp_size <= 1:
             return None
-        from verl_p2p.push import StageShare
+        from verl_p2p.trainer.push import StageShare
 
         ownership = self.exporter.ownership(exchange=True)
         return StageShare(owns=ownership.owns, writes_feedless=assignment.pp_stage == 0)
@@ -124,7 +124,7 @@ class SourceSession:
         )
         self.buffers = TransferBuffers(config.bucket_size_bytes, self.transport)
         if config.release_buffers_on_save:
-            from verl_p2p.verl_engine import release_buffers_around_save
+            from verl_p2p.trainer.verl_engine import release_buffers_around_save
 
             self._save_hook = release_buffers_around_save(self.engine, self.buffers)
 
@@ -141,7 +141,7 @@ class SourceSession:
 
     def _specs(self):
         if self._hf_specs is None:
-            from verl_p2p.hf_specs import hf_specs_from_checkpoint
+            from verl_p2p.trainer.hf_specs import hf_specs_from_checkpoint
 
             self._hf_specs = hf_specs_from_checkpoint(self.engine.model_config.local_path)
         return self._hf_specs
@@ -149,8 +149,8 @@ class SourceSession:
     # ---- per sync ------------------------------------------------------------------------------------------
 
     def stream(self) -> Iterable:
-        from verl_p2p.export_stage import drive_export
-        from verl_p2p.verl_engine import export_engine_stage
+        from verl_p2p.trainer.senders import drive_export
+        from verl_p2p.trainer.verl_engine import export_engine_stage
 
         return drive_export(self.stage, export_engine_stage(self.exporter, self.engine))
 
@@ -163,7 +163,7 @@ class SourceSession:
             for _ in stream:  # drive_export drains for non-senders: nothing comes out
                 pass
             return None
-        from verl_p2p.push import push
+        from verl_p2p.trainer.push import push
 
         return push(stream, self.targets, self.buffers, self.writer, share=self.share)
 

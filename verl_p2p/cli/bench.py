@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verl_p2p.targets import TargetRank
+from verl_p2p.planning.targets import TargetRank
 from verl_p2p.transfer.writer import WriteEntry, Writer
 
 
@@ -44,7 +44,7 @@ class BenchShape:
     head_dim: int = 64
 
     def config(self) -> dict:
-        from verl_p2p.tiny import tiny_config_dict
+        from verl_p2p.sandbox.tiny import tiny_config_dict
 
         return tiny_config_dict(
             "qwen3_moe",
@@ -173,13 +173,13 @@ def run_bench(
 ) -> dict:
     """Run the benchmark and return (and write to `out_path`, if given) its numbers."""
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-    from verl_p2p.compat import install_cpu_stubs
+    from verl_p2p.sandbox.cpu_stubs import install_cpu_stubs
 
     install_cpu_stubs()
-    from verl_p2p.layout import layout_from_server_args
-    from verl_p2p.push import PushTarget, push
+    from verl_p2p.planning.layout import layout_from_server_args
     from verl_p2p.replica.stream import RankReplica
-    from verl_p2p.tiny import hf_tensor_shapes
+    from verl_p2p.sandbox.tiny import hf_tensor_shapes
+    from verl_p2p.trainer.push import PushTarget, push
     from verl_p2p.transfer.buffers import TransferBuffers
     from verl_p2p.transfer.mooncake import MooncakeTransport
     from verl_p2p.transfer.receiver import spec_from_plan, start_receivers, stop_all

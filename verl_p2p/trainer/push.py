@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import torch
 
 from verl_p2p.errors import P2PError, UnsupportedLayoutError
-from verl_p2p.targets import RemoteRankInfo, TargetRank
+from verl_p2p.planning.targets import RemoteRankInfo, TargetRank
 from verl_p2p.transfer.buffers import ALIGN, Slot, TransferBuffers
 from verl_p2p.transfer.writer import TargetFailure, WriteEntry, Writer, push_error
 

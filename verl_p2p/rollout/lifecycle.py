@@ -31,13 +31,13 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from verl_p2p.checker import WeightUpdateChecker
 from verl_p2p.config import P2PConfig
 from verl_p2p.errors import P2PError
-from verl_p2p.layout import RankLayout, layout_from_server_args
+from verl_p2p.planning.layout import RankLayout, layout_from_server_args
+from verl_p2p.planning.targets import RemoteRankInfo, TargetRank
 from verl_p2p.rollout.adapter import P2PReplicaAdapter
+from verl_p2p.rollout.checker import WeightUpdateChecker
 from verl_p2p.rollout.client import RankAnswer
-from verl_p2p.targets import RemoteRankInfo, TargetRank
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import torch
 
 from verl_p2p.errors import P2PError
-from verl_p2p.export import ExportMode, ModeChoice, StageExporter, choose_export_mode
+from verl_p2p.trainer.export import ExportMode, ModeChoice, StageExporter, choose_export_mode
 
 ENGINE_PATH = "worker.actor.engine"
 

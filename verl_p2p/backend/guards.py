@@ -1,6 +1,6 @@
 """Configurations where `backend=p2p` would be ignored or cannot work, refused with the reason and the fix.
 
-Checked on the driver before anything launches (`verl_p2p.hydra_callback.P2PGuardCallback`, installed by
+Checked on the driver before anything launches (`verl_p2p.backend.hydra_callback.P2PGuardCallback`, installed by
 conf/p2p/default.yaml) and again where each part starts: the rollout leader checks its server's effective args, the
 replica launch checks the server args, every engine validates `engine_kwargs.p2p`.
 """

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from verl_p2p.errors import P2PError
-from verl_p2p.layout import RankLayout, layout_from_server_args
-from verl_p2p.plan import SourceRank, build_transfer_plan
-from verl_p2p.targets import RemoteRankInfo, TargetRank
+from verl_p2p.planning.layout import RankLayout, layout_from_server_args
+from verl_p2p.planning.plan import SourceRank, build_transfer_plan
+from verl_p2p.planning.targets import RemoteRankInfo, TargetRank
 
 # server args that change the bytes a rank holds, beside its layout
 _BYTE_ARGS = ("model_path", "dtype", "quantization", "kv_cache_dtype", "json_model_override_args")

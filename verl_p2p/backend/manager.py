@@ -25,11 +25,11 @@ from typing import Any
 from verl.checkpoint_engine.base import CheckpointEngineManager
 from verl.utils.ray_utils import auto_await
 
-from verl_p2p import plugin
+from verl_p2p.backend import plugin
+from verl_p2p.backend.metrics import PREFIX
+from verl_p2p.backend.topology import SourceMeta, assign
 from verl_p2p.config import P2PConfig
 from verl_p2p.errors import P2PConfigError, P2PError
-from verl_p2p.metrics import PREFIX
-from verl_p2p.topology import SourceMeta, assign
 
 logger = logging.getLogger(__name__)
 
@@ -92,8 +92,8 @@ class P2PCheckpointEngineManager(CheckpointEngineManager):
 
     def _ensure_lifecycle(self, global_steps: int | None) -> Any:
         if self._lifecycle is None:
-            from verl_p2p.checker import WeightUpdateChecker
-            from verl_p2p.lifecycle import SyncLifecycle
+            from verl_p2p.rollout.checker import WeightUpdateChecker
+            from verl_p2p.rollout.lifecycle import SyncLifecycle
 
             checker = None
             if self.p2p_config.check_weight_update_equal:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from verl_p2p.errors import P2PError
-from verl_p2p.plan import SourceRank, TransferPlan
+from verl_p2p.planning.plan import SourceRank, TransferPlan
 
 
 @dataclass(frozen=True)

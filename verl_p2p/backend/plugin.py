@@ -108,16 +108,16 @@ def install() -> None:
 
 
 def register_backend() -> None:
-    """Import verl_p2p.engine, which registers `P2PCheckpointEngine` as `p2p` in verl's CheckpointEngineRegistry
+    """Import verl_p2p.backend.engine, which registers `P2PCheckpointEngine` as `p2p` in verl's CheckpointEngineRegistry
     (`@CheckpointEngineRegistry.register`); register the stand-in instead if that import fails."""
     with _lock:
         if "backend" in _done:
             return
         _done.add("backend")
     try:
-        # When verl_p2p.engine itself is being imported (it imports verl's registry), this returns the module
+        # When verl_p2p.backend.engine itself is being imported (it imports verl's registry), this returns the module
         # being initialised; its decorator registers the class once it is defined.
-        importlib.import_module("verl_p2p.engine")
+        importlib.import_module("verl_p2p.backend.engine")
     except Exception as exc:  # noqa: BLE001 - any failure must surface when p2p is used, not here
         from verl.checkpoint_engine.base import CheckpointEngineRegistry
 
@@ -135,8 +135,6 @@ def register_replica() -> None:
     try:
         from verl.workers.rollout.replica import RolloutReplicaRegistry
 
-        from verl_p2p.rollout.launch import wrap_replica_loader
-
         original = RolloutReplicaRegistry._registry.get("sglang")
         if original is not None:
             RolloutReplicaRegistry.register("sglang", wrap_replica_loader(original))
@@ -150,7 +148,7 @@ def load_error_message(part: str = "backend") -> str:
     return (
         f"checkpoint_engine.backend={BACKEND!r} is unavailable: verl_p2p failed to load "
         f"({type(exc).__name__}: {exc}). Fix the cause above (a missing or broken dependency of verl_p2p, "
-        "or a verl version other than 0.9.1), then check with `python -c 'import verl_p2p.engine'`."
+        "or a verl version other than 0.9.1), then check with `python -c 'import verl_p2p.backend.engine'`."
     )
 
 
@@ -181,3 +179,15 @@ def unavailable_engine_class(exc: BaseException) -> type:
         prepare = init_process_group = finalize = send_weights = receive_weights = _raise
 
     return UnavailableP2PCheckpointEngine
+
+
+def wrap_replica_loader(original: Callable[[], type]) -> Callable[[], type]:
+    """verl's `sglang` replica loader, returning P2PSGLangReplica (which behaves as verl's unless backend=p2p)."""
+
+    def load() -> type:
+        from verl_p2p.rollout.sglang_replica import P2PSGLangReplica
+
+        return P2PSGLangReplica
+
+    load.original = original
+    return load

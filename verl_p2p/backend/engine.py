@@ -33,10 +33,8 @@ from typing import Any
 
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
-from verl_p2p import metrics as p2p_metrics
-from verl_p2p.config import P2PConfig
-from verl_p2p.errors import P2PError
-from verl_p2p.roles import (
+from verl_p2p.backend import metrics as p2p_metrics
+from verl_p2p.backend.roles import (
     Role,
     RolloutIdentity,
     Side,
@@ -47,7 +45,9 @@ from verl_p2p.roles import (
     trainer_identity,
     weak,
 )
-from verl_p2p.topology import DRIVER_CACHE, Assignment, EngineMeta, SourceMeta
+from verl_p2p.backend.topology import DRIVER_CACHE, Assignment, EngineMeta, SourceMeta
+from verl_p2p.config import P2PConfig
+from verl_p2p.errors import P2PError
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ class P2PCheckpointEngine(CheckpointEngine):
         self._in_sync = False  # between a leader's prepare and finalize
         self._version: int | None = None
         if self.side is Side.TRAINER and self.is_master:
-            from verl_p2p.guards import warn_hybrid_actor
+            from verl_p2p.backend.guards import warn_hybrid_actor
 
             warn_hybrid_actor(owner)
 
@@ -203,7 +203,7 @@ class P2PCheckpointEngine(CheckpointEngine):
         if self._metrics_group is None:
             self._metrics_group = _new_gather_group()
         if self._session is None:
-            from verl_p2p.source import SourceSession
+            from verl_p2p.trainer.source import SourceSession
 
             self._session = SourceSession(self.config, self.owner, self.config.hostname, checkpoint_engine=self)
         self._session.apply(assignment)
@@ -246,8 +246,8 @@ class P2PCheckpointEngine(CheckpointEngine):
 
     def _leader_adapter(self) -> Any:
         if self._adapter is None:
-            from verl_p2p.checker import WeightUpdateChecker
             from verl_p2p.rollout.adapter import P2PReplicaAdapter
+            from verl_p2p.rollout.checker import WeightUpdateChecker
 
             url = _server_url(self.rollout.replica_rank)
             self._adapter = P2PReplicaAdapter(self.rollout.replica_rank, url, config=self.config)

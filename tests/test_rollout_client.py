@@ -280,3 +280,35 @@ def test_adapter_from_replica_defaults(fake):
         P2PReplicaAdapter.from_replica(StandInReplica(1, None, {}))
     with pytest.raises(RuntimeError, match="server info not fetched"):
         _ = adapter.num_ranks
+
+
+def test_a_pooled_connection_the_server_closed_is_retried_once():
+    # SGLang's uvicorn closes keep-alive connections idle for 5 s; a push takes longer. Here the server answers,
+    # then closes each connection 0.1 s later, while the client's loop is busy (as during a blocking step), so
+    # the next call goes out on a connection that is already closed: it must still be answered.
+    served = []
+
+    async def scenario():
+        async def handle(reader, writer):
+            await reader.readuntil(b"\r\n\r\n")
+            served.append(1)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 15\r\n\r\n")
+            writer.write(b'{"status":"ok"}')
+            await writer.drain()
+            await asyncio.sleep(0.1)
+            writer.close()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        client = SGLangClient(url, timeout=5)
+        try:
+            await client.continue_generation()
+            await asyncio.sleep(0.02)  # the answer is read; the connection goes back to the pool
+            time.sleep(0.3)  # the loop is blocked while the server closes the connection
+            await client.continue_generation()
+        finally:
+            client.close()
+            server.close()
+
+    run(scenario())
+    assert len(served) == 2

@@ -31,6 +31,9 @@ logger = logging.getLogger(__name__)
 
 # Keep-alive connections per server, per loop: rank-info reads fan out over every TP rank at once.
 _PER_HOST = 64
+# SGLang's uvicorn closes a keep-alive connection idle for 5 s (SGLANG_TIMEOUT_KEEP_ALIVE); a push takes longer
+# than that, so the client drops idle connections first instead of sending the next step into a closing socket.
+_KEEPALIVE_S = 3.0
 
 _HINTS = {
     401: "send the server's admin API key: set checkpoint_engine.engine_kwargs.p2p.api_key",
@@ -179,7 +182,7 @@ class SGLangClient:
             dropped = [self._sessions.pop(key)[1] for key in stale]
             # trust_env stays off: unlike requests, no proxy from HTTP(S)_PROXY and no ~/.netrc (its lookup
             # would cost a thread hop per call); control-plane calls always go straight to the server
-            connector = aiohttp.TCPConnector(limit=0, limit_per_host=_PER_HOST)
+            connector = aiohttp.TCPConnector(limit=0, limit_per_host=_PER_HOST, keepalive_timeout=_KEEPALIVE_S)
             session = aiohttp.ClientSession(connector=connector, headers=self._headers)
             closer = _closer(session, loop)
             self._sessions[loop] = (session, closer)
@@ -208,11 +211,21 @@ class SGLangClient:
         session = await self._session_here()
         limits = aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout)
         try:
-            async with session.request(method, base + route, json=body, params=params, timeout=limits) as answer:
-                content = await answer.read()
-                response = Response(
-                    answer.status, answer.reason or "", str(answer.url), content, answer.charset or "utf-8"
-                )
+            for attempt in (1, 2):
+                try:
+                    async with session.request(
+                        method, base + route, json=body, params=params, timeout=limits
+                    ) as answer:
+                        content = await answer.read()
+                        response = Response(
+                            answer.status, answer.reason or "", str(answer.url), content, answer.charset or "utf-8"
+                        )
+                    break
+                except aiohttp.ServerDisconnectedError:
+                    # a pooled connection the server had already closed (its keep-alive ran out while this loop
+                    # was busy): the request never reached it, so send it once more on a new connection
+                    if attempt == 2:
+                        raise
         except aiohttp.ConnectionTimeoutError as exc:
             raise RolloutCallError(
                 base, method, shown, None, f"no connection within {timeout:g} s", "is the server up?"

@@ -323,3 +323,30 @@ def run_group(fn: Callable, world: int, *args, timeout_s: float = 240) -> list[A
     if missing:
         raise AssertionError(f"ranks {missing} did not finish within {timeout_s}s (hang?) or died")
     return [results[r] for r in range(world)]
+
+
+@dataclass
+class ShellModelConfig:
+    """The two fields of verl's HFModelConfig the p2p trainer source reads."""
+
+    hf_config: Any
+    local_path: str
+
+
+def megatron_engine_shell(
+    hf_dir: str | Path, parallel: Parallel | None = None, *, device: str = "cpu", dtype: torch.dtype = torch.float32
+) -> Any:
+    """verl's real MegatronEngine class holding a Megatron-Bridge model of `hf_dir`, this rank's part of the already
+    initialised default process group.
+
+    MegatronEngine's own constructor builds an optimizer and needs a full verl worker config; the p2p source reads
+    only three attributes (module chunks, bridge, model config), filled in here on an instance made without it.
+    """
+    from transformers import AutoConfig
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngine
+
+    modules, bridge = build_tiny_megatron(hf_dir, parallel or Parallel(), device=device, dtype=dtype)
+    engine = object.__new__(MegatronEngine)
+    engine.module, engine.bridge = modules, bridge
+    engine.model_config = ShellModelConfig(AutoConfig.from_pretrained(hf_dir), str(hf_dir))
+    return engine

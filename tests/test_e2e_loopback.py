@@ -1,0 +1,50 @@
+"""`verl-p2p e2e --rollout loopback`: the GPU end-to-end harness's own code path, against loopback engines.
+
+The same command proves syncs into real SGLang servers on a GPU host (`--rollout sglang`); here it runs against the
+CPU stand-in so the harness cannot rot: every sync's checksums must equal those of a rollout started fresh from the
+same weights, the first sync must pass the rollout's weights_checker compare, and each failure drill must fail
+naming its cause, leave the rollout serviceable, and be followed by a sync that restores exact weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_e2e_harness_against_loopback(tmp_path):
+    out = tmp_path / "report.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MC_LOG_LEVEL": "ERROR"}
+    done = subprocess.run(
+        [sys.executable, "-m", "verl_p2p.cli", "e2e", "--rollout", "loopback", "--models", "qwen3", "--syncs", "3",
+         "--out", str(out), "--workdir", str(tmp_path / "work")],
+        capture_output=True, text=True, timeout=900, cwd=tmp_path, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    report = json.loads(out.read_text())
+    model = report["models"]["qwen3"]
+    assert report["passed"] and model["passed"]
+    syncs = model["syncs"]
+    assert syncs[0]["checks"][0] == {"name": "weights_checker_compare", "ok": True, "detail": ""}
+    assert model["tensors_differing_between_sets"] > 0  # the two weight sets differ, so equal checksums mean something
+    plain = [s for s in syncs if s["drill"] is None]
+    assert len(plain) == 3 + 3 and all(s["outcome"] == "ok" for s in plain)
+    for s in plain:
+        assert [c["name"] for c in s["checks"] if c["ok"]][-1] == "checksums_equal_fresh_rollout"
+    drills = model["drills"]
+    assert drills["kill"]["outcome"] == "failed" and "trainer process exited" in drills["kill"]["error"]
+    assert drills["kill"]["notes"]["killed_mid_push"] is True
+    assert drills["wrong_session"]["outcome"] == "failed" and "127.0.0.1:1" in drills["wrong_session"]["error"]
+    assert drills["paused_call"]["outcome"] == "ok"
+    assert drills["paused_call"]["checks"]["control_calls_answered_while_paused"] is True
+    for drill in drills.values():
+        assert drill["recovery_sync"]["outcome"] == "ok"
+        assert drill["recovery_sync"]["checks"] == {"checksums_equal_fresh_rollout": True}

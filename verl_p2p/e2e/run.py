@@ -1,0 +1,488 @@
+"""`verl-p2p e2e`: prove whole syncs into a rollout, three ways each, then drill failures; write a JSON report.
+
+Per model: write a checkpoint (weight set 0), start the rollout under test from it, start the trainer process
+(its Megatron model loaded from the same checkpoint), save weight set 1 as a checkpoint and start a FRESH rollout
+from it. Expectations come from the rollouts' own loads, never from the replica: set 0's checksums and greedy
+generation are the rollout's own before any sync, set 1's are the fresh rollout's. Then:
+
+1. sync set 0 with `check_weight_update_equal` (SGLang's weights_checker: snapshot -> reset_tensors -> sync ->
+   compare must pass), then alternate sets 1 / 0 for the remaining syncs. Every sync: checksums equal the
+   expectation, and (real SGLang) the first generation after the sync equals the expectation. The same prompt is
+   sent before each sync, so a prefix cache still holding KV of the old weights shows up as a mismatch.
+2. drills, each followed by a recovery sync that must restore exact weights and equal generations:
+   `kill` (the trainer process SIGKILLed mid-push, after its first batch of writes), `wrong_session` (the push
+   aimed at a Mooncake session that does not exist, as after a rollout restart), `paused_call` (control calls and
+   a generation request sent while the rollout is paused for the sync: they must be answered, and the request must
+   be served after the sync, with the new weights).
+Exit status 1 when any check failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+# Model shapes. "tiny": the CPU sandbox's (CI, loopback). "gpu": big enough that a push measures bandwidth.
+SIZES: dict[str, dict[str, dict[str, Any]]] = {
+    "tiny": {"qwen3": {}, "qwen3_moe": {}},
+    "gpu": {
+        "qwen3": dict(
+            vocab_size=32000,
+            hidden_size=1024,
+            intermediate_size=2816,
+            num_hidden_layers=8,
+            num_attention_heads=16,
+            num_key_value_heads=4,
+            head_dim=64,
+        ),
+        "qwen3_moe": dict(
+            vocab_size=32000,
+            hidden_size=1024,
+            intermediate_size=2816,
+            num_hidden_layers=4,
+            num_attention_heads=16,
+            num_key_value_heads=4,
+            head_dim=64,
+            num_experts=32,
+            num_experts_per_tok=4,
+            moe_intermediate_size=512,
+        ),
+    },
+}
+PROMPT = [3, 17, 42, 99, 7, 150, 23, 88, 5, 61, 200, 14, 9, 77, 31, 128]
+NEW_TOKENS = 16
+DRILLS = ("kill", "wrong_session", "paused_call")
+
+
+@dataclass
+class Expectation:
+    checksums: dict[str, str]
+    generation: list[int] | None
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str = ""
+
+
+@dataclass
+class SyncRecord:
+    index: int
+    version: str
+    weights: int
+    drill: str | None
+    outcome: str  # "ok" | "failed" (a drill's expected failure, or a real one)
+    error: str = ""
+    phases: dict[str, float] = field(default_factory=dict)
+    push: dict[str, Any] = field(default_factory=dict)
+    paused_s: float = 0.0
+    checks: list[Check] = field(default_factory=list)
+    notes: dict[str, Any] = field(default_factory=dict)
+
+
+class Harness:
+    """One model: its rollout under test, the trainer process, the expectations, the lifecycle."""
+
+    def __init__(self, args: argparse.Namespace, arch: str, index: int, workdir: Path):
+        self.args, self.arch, self.index, self.workdir = args, arch, index, workdir
+        self.records: list[SyncRecord] = []
+        self.info: dict[str, Any] = {"model": arch, "rollout": args.rollout}
+        self.applied: tuple[int, int] | None = None  # (trainer instance, plan generation) the trainer holds
+        self.trainer_instance = 0
+        self.held = 0  # the weight set the rollout holds now
+
+    # ---- set-up -----------------------------------------------------------------------------------------------
+
+    def _rollout(self, name: str, model_dir: Path, replica_rank: int):
+        from verl_p2p.e2e.rollouts import LoopbackRollout, SGLangServer
+
+        cls = SGLangServer if self.args.rollout == "sglang" else LoopbackRollout
+        return cls(
+            name,
+            model_dir,
+            self.workdir / f"{name}.log",
+            replica_rank=replica_rank,
+            base_bootstrap_port=self.args.bootstrap_port,
+            mem_fraction=self.args.mem_fraction,
+        )
+
+    def _trainer(self):
+        from verl_p2p.e2e.trainer import TrainerProcess, TrainerSpec
+
+        self.trainer_instance += 1
+        spec = TrainerSpec(
+            model_dir=str(self.checkpoint),
+            device=self.args.device,
+            dtype=self.dtype,
+            hostname=self.hostname,
+            config=self.config_fields,
+        )
+        return TrainerProcess(spec)
+
+    async def start(self) -> None:
+        import torch
+
+        from verl_p2p.config import P2PConfig
+        from verl_p2p.e2e.rollouts import local_ip
+        from verl_p2p.rollout.adapter import P2PReplicaAdapter
+        from verl_p2p.rollout.client import SGLangClient
+        from verl_p2p.rollout.lifecycle import SyncLifecycle
+        from verl_p2p.sandbox.tiny import write_tiny_checkpoint
+
+        args = self.args
+        self.dtype = "bfloat16" if args.rollout == "sglang" else "float32"
+        overrides = SIZES[args.size][self.arch]
+        t0 = time.perf_counter()
+        self.checkpoint = write_tiny_checkpoint(
+            self.workdir / "weights0",
+            self.arch,
+            id_encoded=False,
+            seed=args.seed,
+            dtype=getattr(torch, self.dtype),
+            **overrides,
+        )
+        self.hostname = local_ip() if args.rollout == "sglang" else "127.0.0.1"
+        self.config_fields = dict(
+            protocol="tcp",
+            hostname=self.hostname,
+            bucket_size_mb=args.bucket_mb,
+            p2p_transfer_timeout=args.transfer_timeout,
+            http_timeout=args.http_timeout,
+        )
+        self.rollout = self._rollout(f"{self.arch}-rollout", self.checkpoint, 2 * self.index).start()
+        self.trainer = self._trainer()
+        ready = self.trainer.wait_ready()
+        weights1 = self.trainer.call("save", (1, str(self.workdir / "weights1")))
+        self.fresh = self._rollout(f"{self.arch}-fresh-weights1", Path(weights1), 2 * self.index + 1).start()
+        self.info["trainer_params"] = ready["params"]
+        self.info["rollout_ready_s"] = await asyncio.to_thread(self.rollout.wait_ready)
+        self.info["fresh_ready_s"] = await asyncio.to_thread(self.fresh.wait_ready)
+        self.info["setup_s"] = time.perf_counter() - t0
+        self.client = SGLangClient(self.rollout.url, bootstrap_url=self.rollout.bootstrap_url, timeout=60)
+        fresh_client = SGLangClient(self.fresh.url, bootstrap_url=self.fresh.bootstrap_url, timeout=60)
+        self.expect = {
+            0: Expectation(await self.rollout.checksums(self.client), await self._generate(self.rollout, self.client)),
+            1: Expectation(await self.fresh.checksums(fresh_client), await self._generate(self.fresh, fresh_client)),
+        }
+        fresh_client.close()
+        self.fresh.stop()  # frees its GPU memory; the expectation is kept
+        self.info["expected_generations"] = {k: e.generation for k, e in self.expect.items()}
+        self.info["checksummed_tensors"] = len(self.expect[0].checksums)
+        differing = sum(self.expect[0].checksums[k] != v for k, v in self.expect[1].checksums.items())
+        self.info["tensors_differing_between_sets"] = differing
+        config = P2PConfig(**self.config_fields, check_weight_update_equal=True)
+        self.config = config
+        adapter = P2PReplicaAdapter(0, self.rollout.url, bootstrap_url=self.rollout.bootstrap_url, config=config)
+        self.lifecycle = SyncLifecycle([adapter], config, frees_kv=False)
+
+    async def _generate(self, rollout, client, timeout: float = 60) -> list[int] | None:
+        return await rollout.generate(client, PROMPT, NEW_TOKENS, timeout)
+
+    # ---- one sync ----------------------------------------------------------------------------------------------
+
+    def _ensure_applied(self, connection: Any, corrupt_session: bool = False) -> None:
+        from verl_p2p.backend.topology import SourceMeta, assign
+        from verl_p2p.planning.targets import RemoteRankInfo
+
+        key = (self.trainer_instance, connection.generation, corrupt_session)
+        if self.applied == key:
+            return
+        assignment = assign(
+            [SourceMeta(0, 0, 1)],
+            connection.server_infos,
+            connection.rank_infos,
+            connection.layouts,
+            connection.generation,
+        )[0]
+        if corrupt_session:  # what a rollout restart leaves in a stale plan: a session nobody listens on
+            infos = {t: RemoteRankInfo("127.0.0.1:1", i.params) for t, i in assignment.rank_infos.items()}
+            assignment = replace(assignment, rank_infos=infos)
+        self.trainer.call("apply", assignment)
+        self.applied = key
+
+    async def sync(self, weights: int, drill: str | None = None) -> SyncRecord:
+        from verl_p2p.rollout.lifecycle import SyncError
+
+        index = len(self.records)
+        record = SyncRecord(index=index, version=str(index + 1), weights=weights, drill=drill, outcome="ok")
+        self.records.append(record)
+        before = await self._generate(self.rollout, self.client)  # cached prefix with the weights held now
+        record.notes["generation_before"] = before
+        self.trainer.call("weights", weights)
+        side_tasks: dict[str, asyncio.Task] = {}
+        marker = self.workdir / f"stalled-{index}"
+
+        async def push(connection: Any) -> dict:
+            self._ensure_applied(connection, corrupt_session=drill == "wrong_session")
+            if drill == "paused_call":
+                side_tasks.update(await self._paused_calls(record))
+            if drill == "kill":
+                return await self._killed_push(marker, record)
+            return await asyncio.to_thread(self.trainer.call, "push", {})
+
+        t0 = time.perf_counter()
+        try:
+            report = await self.lifecycle.sync(record.version, push)
+            record.phases = {k: round(v, 4) for k, v in report.phases.items()}
+            record.push = report.metrics
+            record.paused_s = round(record.phases.get("total", 0.0), 4)
+        except SyncError as exc:
+            record.outcome, record.error = "failed", str(exc)
+            record.notes["stale_engines"] = sorted(getattr(exc, "stale_engines", []) or [])
+        record.notes["wall_s"] = round(time.perf_counter() - t0, 4)
+        if drill == "kill":  # a new trainer process, as a restarted trainer node would come back
+            self.trainer = self._trainer()
+            await asyncio.to_thread(self.trainer.wait_ready)
+        if record.outcome == "ok":
+            self.held = weights
+            await self._verify(record, weights)
+        else:
+            await self._after_failure(record)
+        for name, task in side_tasks.items():
+            await self._side_result(record, name, task, weights)
+        return record
+
+    async def _verify(self, record: SyncRecord, weights: int) -> None:
+        expected = self.expect[weights]
+        held = await self.rollout.checksums(self.client)
+        differing = sorted(k for k, v in expected.checksums.items() if held.get(k) != v)
+        record.checks.append(
+            Check(
+                "checksums_equal_fresh_rollout",
+                not differing and set(held) == set(expected.checksums),
+                f"{len(expected.checksums)} tensors" if not differing else f"differ: {differing[:8]}",
+            )
+        )
+        if self.rollout.generates:
+            got = await self._generate(self.rollout, self.client)
+            record.checks.append(
+                Check(
+                    "generation_equals_fresh_rollout",
+                    got == expected.generation,
+                    f"got {got}, fresh rollout {expected.generation}",
+                )
+            )
+
+    async def _after_failure(self, record: SyncRecord) -> None:
+        """What the failure left: the server must stay serviceable, and not serve unknown weights."""
+        try:
+            await self.client.server_info(timeout=10)
+            serviceable = True
+        except Exception as exc:  # noqa: BLE001 - recorded
+            serviceable, record.notes["server_info_error"] = False, str(exc)
+        record.checks.append(Check("server_serviceable_after_failure", serviceable and self.rollout.alive()))
+        if self.rollout.generates:
+            try:
+                served = await self._generate(self.rollout, self.client, timeout=5)
+                record.notes["served_after_failure"] = served
+                ok = False
+            except Exception as exc:  # noqa: BLE001 - a paused server answers nothing: what we want
+                record.notes["generate_after_failure"] = f"not served ({type(exc).__name__})"
+                ok = True
+            record.checks.append(Check("unknown_weights_not_served", ok, str(record.notes.get("served_after_failure"))))
+
+    async def _killed_push(self, marker: Path, record: SyncRecord) -> dict:
+        """Start a push that stalls after its first batch of writes, SIGKILL the trainer there, start a new one."""
+        call = asyncio.ensure_future(
+            asyncio.to_thread(self.trainer.call, "push", {"stall_after_batches": 1, "stall_marker": str(marker)})
+        )
+        t0 = time.perf_counter()
+        while not marker.exists() and not call.done() and time.perf_counter() - t0 < 120:
+            await asyncio.sleep(0.01)
+        record.notes["killed_mid_push"] = marker.exists()
+        record.notes["kill_after_s"] = round(time.perf_counter() - t0, 4)
+        self.trainer.kill()
+        await call  # raises TrainerDied
+        raise AssertionError("unreachable: the killed trainer answered")
+
+    async def _paused_calls(self, record: SyncRecord) -> dict[str, asyncio.Task]:
+        """While paused for the sync: control calls must be answered; a generation must wait for the new weights."""
+        answers = {}
+        for name, call in (
+            ("server_info", lambda: self.client.server_info(timeout=10)),
+            ("flush_cache", lambda: self.client.flush_cache(timeout=10)),
+            ("checksum", lambda: self.rollout.checksums(self.client)),
+        ):
+            try:
+                await call()
+                answers[name] = "answered"
+            except Exception as exc:  # noqa: BLE001 - recorded and checked
+                answers[name] = f"{type(exc).__name__}: {exc}"
+        record.notes["control_calls_while_paused"] = answers
+        record.checks.append(
+            Check("control_calls_answered_while_paused", all(v == "answered" for v in answers.values()), str(answers))
+        )
+        if not self.rollout.generates:
+            return {}
+        sent = time.perf_counter()
+        task = asyncio.ensure_future(self._generate(self.rollout, self.client, timeout=300))
+        await asyncio.sleep(0.5)
+        record.notes["generation_sent_while_paused_done_before_resume"] = task.done()
+        record.notes["generation_sent_at"] = sent
+        return {"generation_while_paused": task}
+
+    async def _side_result(self, record: SyncRecord, name: str, task: asyncio.Task, weights: int) -> None:
+        try:
+            got = await task
+        except Exception as exc:  # noqa: BLE001 - recorded and checked
+            record.checks.append(Check(name, False, f"{type(exc).__name__}: {exc}"))
+            return
+        expected = self.expect[weights].generation
+        waited = not record.notes.get("generation_sent_while_paused_done_before_resume", True)
+        record.checks.append(
+            Check(f"{name}_served_after_sync_with_new_weights", got == expected and waited, f"got {got}")
+        )
+
+    # ---- the run -----------------------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        await self.sync(0)  # with the weights checker
+        first = self.records[0]
+        first.checks.insert(0, Check("weights_checker_compare", first.outcome == "ok", first.error[:300]))
+        for i in range(1, self.args.syncs):
+            await self.sync(i % 2)
+        for drill in self.args.drills:
+            target = 1 - self.held
+            await self.sync(target, drill)
+            await self.sync(target)  # recovery: exact weights, equal generations
+
+    def stop(self) -> None:
+        for part in ("trainer", "rollout", "fresh"):
+            thing = getattr(self, part, None)
+            if thing is not None:
+                thing.stop()
+        if getattr(self, "lifecycle", None) is not None:
+            self.lifecycle.close()
+        if getattr(self, "client", None) is not None:
+            self.client.close()
+
+    def report(self) -> dict[str, Any]:
+        records = [asdict(r) for r in self.records]
+        checks = [c for r in self.records for c in r.checks]
+        drills = {}
+        for r, nxt in zip(self.records, self.records[1:], strict=False):
+            if r.drill:
+                drills[r.drill] = {
+                    "outcome": r.outcome,
+                    "error": r.error[:500],
+                    "checks": {c.name: c.ok for c in r.checks},
+                    "notes": {k: v for k, v in r.notes.items() if k != "generation_before"},
+                    "recovery_sync": {"outcome": nxt.outcome, "checks": {c.name: c.ok for c in nxt.checks}},
+                }
+        ok_syncs = [r for r in self.records if r.outcome == "ok" and r.push]
+        gbps = [r.push.get("gbps", 0.0) for r in ok_syncs[1:]] or [r.push.get("gbps", 0.0) for r in ok_syncs]
+        failures_expected = all(r.outcome == "failed" for r in self.records if r.drill in ("kill", "wrong_session"))
+        return {
+            **self.info,
+            "passed": all(c.ok for c in checks)
+            and failures_expected
+            and all(r.outcome == "ok" for r in self.records if r.drill in (None, "paused_call")),
+            "syncs": records,
+            "drills": drills,
+            "push_gbps_median": sorted(gbps)[len(gbps) // 2] if gbps else None,
+            "push_bytes": ok_syncs[0].push.get("bytes") if ok_syncs else None,
+        }
+
+
+async def _run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    results = {}
+    for index, arch in enumerate(args.models):
+        harness = Harness(args, arch, index, workdir / arch)
+        (workdir / arch).mkdir(parents=True, exist_ok=True)
+        try:
+            await harness.start()
+            await harness.run()
+            results[arch] = harness.report()
+        except Exception:  # noqa: BLE001 - one model's failure is reported, the next still runs
+            import traceback
+
+            results[arch] = {**harness.report(), "passed": False, "error": traceback.format_exc()[-4000:]}
+            if hasattr(harness, "rollout"):
+                results[arch]["rollout_log_tail"] = harness.rollout.log_tail()
+        finally:
+            harness.stop()
+    return results
+
+
+def _summary(results: dict[str, Any]) -> str:
+    lines = []
+    for arch, r in results.items():
+        lines.append(
+            f"{arch}: {'PASS' if r.get('passed') else 'FAIL'}  push {r.get('push_bytes')} B, "
+            f"median {r.get('push_gbps_median')} GB/s"
+        )
+        for s in r.get("syncs", []):
+            bad = [c["name"] for c in s["checks"] if not c["ok"]]
+            lines.append(
+                f"  sync {s['index']} weights {s['weights']} drill {s['drill'] or '-':13s} {s['outcome']:6s} "
+                f"paused {s['paused_s']:.3f}s  {'checks ok' if not bad else 'FAILED ' + ','.join(bad)}"
+                + (f"  error: {s['error'][:160]}" if s["error"] else "")
+            )
+        if r.get("error"):
+            lines.append("  ERROR: " + r["error"].strip().splitlines()[-1])
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="verl-p2p e2e", description=__doc__.splitlines()[0])
+    parser.add_argument("--rollout", choices=("sglang", "loopback"), default="loopback")
+    parser.add_argument("--models", default="qwen3,qwen3_moe", help="comma list of qwen3, qwen3_moe")
+    parser.add_argument("--size", choices=tuple(SIZES), default=None, help="default: gpu for sglang, tiny for loopback")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default=None, help="trainer device (default by rollout)")
+    parser.add_argument("--syncs", type=int, default=3, help="plain syncs before the drills (the first is checked)")
+    parser.add_argument("--drills", default=",".join(DRILLS), help=f"comma list of {DRILLS}, or none")
+    parser.add_argument("--bucket-mb", type=int, default=16)
+    parser.add_argument("--transfer-timeout", type=float, default=20.0)
+    parser.add_argument("--http-timeout", type=float, default=30.0)
+    parser.add_argument("--bootstrap-port", type=int, default=26789)
+    parser.add_argument("--mem-fraction", type=float, default=0.12)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workdir", default=None)
+    parser.add_argument("--out", default=None, help="write the JSON report here")
+    args = parser.parse_args(argv)
+    args.models = [m for m in args.models.split(",") if m]
+    args.drills = [] if args.drills in ("", "none") else args.drills.split(",")
+    unknown = [d for d in args.drills if d not in DRILLS] + [m for m in args.models if m not in SIZES["tiny"]]
+    if unknown:
+        parser.error(f"unknown drill/model {unknown}")
+    args.size = args.size or ("gpu" if args.rollout == "sglang" else "tiny")
+    args.device = args.device or ("cuda" if args.rollout == "sglang" else "cpu")
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    if args.device == "cpu":
+        from verl_p2p.sandbox.cpu_stubs import install_cpu_stubs
+
+        install_cpu_stubs()
+    command = "verl-p2p e2e " + " ".join(argv if argv is not None else sys.argv[1:])
+    with tempfile.TemporaryDirectory(prefix="verl-p2p-e2e-") as tmp:
+        workdir = Path(args.workdir or tmp)
+        t0 = time.perf_counter()
+        results = asyncio.run(_run(args, workdir))
+        report = {
+            "command": command,
+            "rollout": args.rollout,
+            "size": args.size,
+            "trainer_device": args.device,
+            "seconds": round(time.perf_counter() - t0, 1),
+            "passed": all(r.get("passed") for r in results.values()),
+            "models": results,
+        }
+    print(_summary(results))
+    print(f"e2e: {'PASS' if report['passed'] else 'FAIL'} ({report['seconds']} s)")
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1, default=str))
+        print(f"report: {args.out}")
+    return 0 if report["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -161,8 +161,8 @@ class Harness:
         )
         self.rollout = self._rollout(f"{self.arch}-rollout", self.checkpoint, 2 * self.index).start()
         self.trainer = self._trainer()
-        ready = self.trainer.wait_ready()
-        weights1 = self.trainer.call("save", (1, str(self.workdir / "weights1")))
+        ready = await asyncio.to_thread(self.trainer.wait_ready)
+        weights1 = await asyncio.to_thread(self.trainer.call, "save", (1, str(self.workdir / "weights1")))
         self.fresh = self._rollout(f"{self.arch}-fresh-weights1", Path(weights1), 2 * self.index + 1).start()
         self.info["trainer_params"] = ready["params"]
         self.info["rollout_ready_s"] = await asyncio.to_thread(self.rollout.wait_ready)
@@ -395,20 +395,26 @@ class Harness:
 
 
 async def _run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    results = {}
-    for index, arch in enumerate(args.models):
-        harness = Harness(args, arch, index, workdir / arch)
-        (workdir / arch).mkdir(parents=True, exist_ok=True)
-        try:
-            await harness.start()
-            await harness.run()
-            results[arch] = harness.report()
-        except Exception:  # noqa: BLE001 - one model's failure is reported, the next still runs
-            import traceback
+    """Start every model's rollouts and trainer at once (a server start is minutes), then prove one model at a time."""
+    import traceback
 
-            results[arch] = {**harness.report(), "passed": False, "error": traceback.format_exc()[-4000:]}
+    harnesses = []
+    for index, arch in enumerate(args.models):
+        (workdir / arch).mkdir(parents=True, exist_ok=True)
+        harnesses.append(Harness(args, arch, index, workdir / arch))
+    started = await asyncio.gather(*(h.start() for h in harnesses), return_exceptions=True)
+    results = {}
+    for harness, start in zip(harnesses, started, strict=True):
+        try:
+            if isinstance(start, BaseException):
+                raise start
+            await harness.run()
+            results[harness.arch] = harness.report()
+        except Exception as exc:  # noqa: BLE001 - one model's failure is reported, the next still runs
+            text = "".join(traceback.format_exception(exc))[-4000:]
+            results[harness.arch] = {**harness.report(), "passed": False, "error": text}
             if hasattr(harness, "rollout"):
-                results[arch]["rollout_log_tail"] = harness.rollout.log_tail()
+                results[harness.arch]["rollout_log_tail"] = harness.rollout.log_tail()
         finally:
             harness.stop()
     return results

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# On the H200 machine: install the carried wheel set once (scripts/gpu_wheels.sh builds it; the parts are copied to
+# $STACK by earlier calls), then prove p2p syncs into real SGLang GPU servers: `verl-p2p e2e --rollout sglang`.
+# The JSON report, the run's log and the servers' logs go to $OUT. Extra arguments go to `verl-p2p e2e`.
+set -uo pipefail
+STACK=${STACK:-/tmp/stack}
+SITE=${SITE:-/tmp/site}
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+if [ ! -f "$SITE/.installed" ]; then
+  (cd "$STACK" && cat part.* | tar xf - && python3 -m pip install -q --no-index --no-deps --no-compile \
+    --target "$SITE" wheels/*.whl) || exit 3
+  touch "$SITE/.installed"
+fi
+export PYTHONPATH="$SITE:$PWD" CUDA_HOME=/usr/local/cuda MC_LOG_LEVEL=ERROR PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 - <<'PY' 2>&1 | tee "$OUT/imports.txt"
+import importlib, time
+for name in ("torch", "sglang", "sgl_kernel", "mooncake.engine", "megatron.core", "megatron.bridge", "ray", "verl",
+             "verl.workers.engine.megatron.transformer_impl", "verl_p2p.trainer.source", "verl_p2p.replica"):
+    t0 = time.perf_counter()
+    try:
+        mod = importlib.import_module(name)
+        print(f"ok   {name} {getattr(mod, '__version__', '')} ({time.perf_counter() - t0:.1f}s)")
+    except Exception as exc:
+        print(f"FAIL {name}: {type(exc).__name__}: {exc}")
+PY
+python3 -m verl_p2p.cli e2e --rollout sglang --workdir /tmp/e2e --out "$OUT/e2e_h200.json" "$@" 2>&1 | tee "$OUT/e2e.log"
+status=${PIPESTATUS[0]}
+tar czf "$OUT/server_logs.tgz" /tmp/e2e/*/*.log 2>/dev/null
+exit "$status"

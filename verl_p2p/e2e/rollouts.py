@@ -69,9 +69,10 @@ def local_ip() -> str:
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below 55536: SGLang derives its gRPC port as port + 10000 and rejects anything above 65535."""
+    from verl_p2p.loopback.engine import free_port as below_grpc_limit
+
+    return below_grpc_limit("127.0.0.1")
 
 
 def cpu_checksum(tensor: Any) -> str:

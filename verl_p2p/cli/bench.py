@@ -67,14 +67,26 @@ class BenchShape:
         )
 
 
-MODELS = ("bench", "qwen3-30b-a3b")
+MODELS = ("bench", "qwen3-30b-a3b", "tiny")
 
 
 def model_shape(model: str, layers: int | None = None, experts: int | None = None) -> BenchShape:
-    """The bench's synthetic model (about 1.2 GB bf16) or Qwen3-30B-A3B's published shape, with
-    `layers` decoder layers (default: 24 for the bench model, 4 for Qwen3-30B-A3B: about 6 GB)."""
+    """The bench's synthetic model (about 1.2 GB bf16), Qwen3-30B-A3B's published shape with `layers`
+    decoder layers (default: 24 for the bench model, 4 for Qwen3-30B-A3B: about 6 GB), or a tiny one for
+    smoke runs (under 4 MB)."""
     if model == "bench":
         base = BenchShape()
+    elif model == "tiny":
+        base = BenchShape(
+            hidden_size=128,
+            num_hidden_layers=2,
+            num_experts=4,
+            moe_intermediate_size=64,
+            vocab_size=1024,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+        )
     elif model == "qwen3-30b-a3b":
         from verl_p2p.cli.bench_convert import QWEN3_30B_A3B
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -81,14 +82,15 @@ class CopyProgram:
     def numel(self) -> int:
         return self.stop - self.start
 
-    @property
+    @cached_property
     def strided_sources(self) -> frozenset[str]:
         """HF tensors read through element offsets: they must be contiguous when the program runs."""
         return frozenset(n for b in self.copies if not b.whole_sources for n in b.hf_names)
 
-    @property
-    def hf_names(self) -> frozenset[str]:
-        return frozenset(n for b in self.copies for n in b.hf_names)
+    @cached_property
+    def hf_names(self) -> tuple[str, ...]:
+        """Every HF tensor the program reads, once each."""
+        return tuple(dict.fromkeys(n for b in self.copies for n in b.hf_names))
 
     @property
     def launches(self) -> int:

@@ -1,8 +1,10 @@
 """The trainer source's data plane (DESIGN.md section 1): HF stream -> stager -> replica.load into a transfer
 slot -> writer sends the slot to every target holding those bytes, while the next slot fills.
 
-Targets whose replicas have equal keys hold byte-identical shards, so those bytes are loaded once and
-written to each. A parameter is loaded only once all its HF inputs arrived (never half-updated); one
+The replica is an executor (`verl_p2p.replica.compiled.make_executor`): the compiled copy programs or
+SGLang's loader; on CUDA its copies are asynchronous, so the slot's device is synchronized before its bytes
+are submitted. Targets whose replicas have equal keys hold byte-identical shards, so those bytes are loaded
+once and written to each. A parameter is loaded only once all its HF inputs arrived (never half-updated); one
 larger than a slot is loaded and written chunk by chunk. At the end every parameter of every target was
 written exactly once, or the push raises naming what is missing or which targets failed.
 """
@@ -43,7 +45,7 @@ class StagerLike(Protocol):
 
 
 class ReplicaLike(Protocol):
-    """What push needs from `verl_p2p.replica.RankReplica`."""
+    """What push needs from `verl_p2p.replica.RankReplica` or `verl_p2p.replica.CompiledReplica`."""
 
     key: Hashable
     plan: Any  # .params: Mapping[str, ParamPlanLike]

@@ -1,5 +1,6 @@
-"""The data plane end to end: HF stream -> real RankReplica (SGLang's model classes) -> transfer slots ->
-real Mooncake tcp writes into receiver processes holding each rollout rank's parameters.
+"""The data plane end to end: HF stream -> real RankReplica (SGLang's model classes; SGLang's loader or the
+compiled executor) -> transfer slots -> real Mooncake tcp writes into receiver processes holding each
+rollout rank's parameters.
 
 Tiny Qwen3-MoE (id-encoded float32), two engines (TP2/EP2 and TP2/EP1) x two ranks, two trainer sources
 pushing concurrently per `build_transfer_plan`, slots smaller than the largest parameter (chunked loads).
@@ -159,16 +160,21 @@ def test_stream_missing_tensors_is_named(tmp_path, model, replicas, fresh, trans
     assert "engine 0 rank 0:" not in msg  # EP rank 0 got everything it needs
 
 
-def test_two_sources_write_every_rank_exactly(tmp_path, request, model, replicas, fresh, transports):
+@pytest.mark.parametrize("executor", ["sglang", "compiled"])
+def test_two_sources_write_every_rank_exactly(tmp_path, request, model, replicas, fresh, transports, executor):
+    """Both executors: SGLang's loader per parameter, and the compiled copy programs (first push verified)."""
+    from verl_p2p.replica.compiled import make_executor
+
     _, _, hf, _, _ = model
     targets = sorted(replicas)
+    executors = {t: make_executor(replicas[t], executor, verify_first_push=True) for t in targets}
     sources = [SourceRank(0, 0), SourceRank(1, 0)]
     plan = build_transfer_plan(sources, targets, {t: replicas[t].key for t in targets})
     assert all(len(plan.targets_of(s.global_rank)) == 2 for s in sources)
     results, errors = {}, []
 
     def source(i: int) -> None:
-        mine = [PushTarget(t, replicas[t], fresh[t].remote_info()) for t in plan.targets_of(i)]
+        mine = [PushTarget(t, executors[t], fresh[t].remote_info()) for t in plan.targets_of(i)]
         try:
             results[i] = run_source(transports[i], mine, list(hf.items()))
         except BaseException as exc:  # noqa: BLE001 - re-raised below
@@ -184,6 +190,8 @@ def test_two_sources_write_every_rank_exactly(tmp_path, request, model, replicas
         for t in plan.targets_of(i):
             assert metrics.bytes_per_target[t] == replicas[t].plan.nbytes  # each byte written once
         assert metrics.num_batches > 2 and metrics.loaded_bytes == metrics.total_bytes  # distinct keys
+    if executor == "compiled":  # every parameter compiled, and checked against SGLang's loader on this push
+        assert all(not e.fallbacks and not e.verifying for e in executors.values())
     expected = request.getfixturevalue("expected")  # waits for the witnesses only now
     for t in targets:
         got = fresh[t].dump(str(tmp_path / f"{t.engine}{t.rank}.pt"))

@@ -2,19 +2,22 @@
 
 Witness: every rank of every layout built by `build_sglang_rank_model` in a real gloo world of N processes
 (SGLang's parallel init and model loader). Replica: `RankReplica` in one process, every parameter loaded
-into a NaN-prefilled buffer, then again chunk by chunk. Id-encoded float32 checkpoints make every misplaced,
-missing or doubled element visible. Run for SGLang 0.5.12 and 0.5.23, each in its own processes.
+into a NaN-prefilled buffer, then again chunk by chunk; the compiled executor (`CompiledReplica`: copy
+programs, no SGLang call) the same way. Id-encoded float32 checkpoints make every misplaced, missing or
+doubled element visible; random bfloat16 checkpoints (a bfloat16 rollout) check the production dtype.
+Run for SGLang 0.5.12 and 0.5.23, each in its own processes.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 from support import replica_harness as harness
 from support.replica_compare import compare_jobs
 
 from verl_p2p.sandbox.tiny import write_tiny_checkpoint
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
 VERSIONS = ("0.5.12", "0.5.23")
 
@@ -26,6 +29,8 @@ MODELS = {
     # untied lm_head with padded vocab rows
     "moe": dict(arch="qwen3_moe", vocab_size=250),
 }
+# checkpoint variants: (checkpoint dtype = rollout dtype, id-encoded values)
+VARIANTS = {"f32ids": (torch.float32, True), "bf16rand": (torch.bfloat16, False)}
 LAYOUTS = [
     ("qwen2-tp1", "qwen2", dict(tp_size=1)),
     ("qwen3-tp1", "qwen3", dict(tp_size=1)),
@@ -58,32 +63,42 @@ def exact_results(tmp_path_factory):
     """
     root = tmp_path_factory.mktemp("replica_exact")
     paths = {}
-    for name, m in MODELS.items():
-        m = dict(m)
-        paths[name] = str(write_tiny_checkpoint(root / name, m.pop("arch"), **m))
+    for name, model in MODELS.items():
+        for variant, (dtype, ids) in VARIANTS.items():
+            m = dict(model)
+            arch = m.pop("arch")
+            paths[name, variant] = str(
+                write_tiny_checkpoint(root / f"{name}-{variant}", arch, id_encoded=ids, dtype=dtype, **m)
+            )
     by_world: dict[int, list[dict]] = {}
     for tag, model, args in LAYOUTS:
-        job = {"tag": tag, "model_path": paths[model], "server_args": {"dtype": "float32", **args}}
-        by_world.setdefault(args["tp_size"], []).append(job)
+        for variant, (dtype, _) in VARIANTS.items():
+            dt = str(dtype).removeprefix("torch.")
+            job = {"tag": f"{tag}-{variant}", "model_path": paths[model, variant], "server_args": {"dtype": dt, **args}}
+            by_world.setdefault(args["tp_size"], []).append(job)
     logs = root / "logs"
     logs.mkdir()
     specs = {}
     for v in VERSIONS:
         phases = [(w, by_world[w]) for w in sorted(by_world, reverse=True)]
         specs[v] = [harness.write_spec(root / f"spec-{v}.json", phases, root / v)]
-        harness.wait_all(harness.start_witnesses(v, specs[v][0], logs), 600, f"SGLang {v} witnesses")
+        harness.wait_all(harness.start_witnesses(v, specs[v][0], logs), 900, f"SGLang {v} witnesses")
     proc, log = harness.start_compare("0.5.23", specs["0.5.23"], logs)
     try:
         local = compare_jobs(specs["0.5.12"])
     finally:
-        harness.wait_all([proc], 500, "0.5.23 replica comparison")
+        harness.wait_all([proc], 900, "0.5.23 replica comparison")
     return {(r["version"].split("+")[0], r["tag"]): r for r in local + harness.read_results(log)}
 
 
 @pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("tag", [t for t, _, _ in LAYOUTS])
-def test_replica_bytes_equal_sglang_ranks(exact_results, version, tag):
-    r = exact_results[(version, tag)]
+def test_replica_bytes_equal_sglang_ranks(exact_results, version, tag, variant):
+    """Reference executor bytes == compiled executor bytes == SGLang's own rank, whole and chunked."""
+    r = exact_results[(version, f"{tag}-{variant}")]
     assert r["version"].startswith(version)
     assert not r["problems"], r["problems"]
     assert r["checked"] > 0 and r["chunked"] > 0
+    assert r["compiled"] == r["checked"] and r["compiled_chunked"] == r["chunked"]
+    assert not r["fallbacks"], r["fallbacks"]  # every parameter of these layouts compiles

@@ -67,8 +67,7 @@ class EngineStandIn:
             yield item
 
 
-@pytest.fixture
-def session(model, monkeypatch):
+def make_session(model, monkeypatch, **options):
     from verl_p2p.trainer import verl_engine
     from verl_p2p.trainer.source import SourceSession
 
@@ -76,8 +75,13 @@ def session(model, monkeypatch):
     monkeypatch.setattr(verl_engine, "find_megatron_engine", lambda owner: engine)
     monkeypatch.setattr(verl_engine, "engine_exporter", lambda eng, mode: SimpleNamespace(mode=mode))
     monkeypatch.setattr(verl_engine, "export_engine_stage", lambda exporter, eng: eng.stream())
-    config = P2PConfig(protocol="tcp", hostname="127.0.0.1", bucket_size_mb=1, release_buffers_on_save=False)
-    session = SourceSession(config, owner=object(), hostname=config.hostname)
+    config = P2PConfig(protocol="tcp", hostname="127.0.0.1", bucket_size_mb=1, release_buffers_on_save=False, **options)
+    return SourceSession(config, owner=object(), hostname=config.hostname), engine
+
+
+@pytest.fixture
+def session(model, monkeypatch):
+    session, engine = make_session(model, monkeypatch)
     yield session, engine
     session.close()
 
@@ -126,3 +130,35 @@ def test_idle_rank_runs_the_export_without_transport(session, model):
     assert session.push() is None
     assert engine.exported == len(hf)  # drained: the stage's collectives would have matched
     assert session.transport is None and session.buffers is None
+
+
+def test_executor_options_reach_the_push(model, receiver, monkeypatch, tmp_path):
+    """executor=compiled (default) pushes through copy programs; verify_first_push checks the first push of
+    each plan generation against SGLang's loader; executor=sglang pushes through SGLang's loader."""
+    from verl_p2p.replica import CompiledReplica, RankReplica
+
+    handle, nbytes = receiver
+    _, path, _ = model
+    session, _ = make_session(model, monkeypatch, verify_first_push=True)
+    try:
+        session.apply(assignment(1, handle, path))
+        (target,) = session.targets
+        assert isinstance(target.replica, CompiledReplica) and target.replica.verifying
+        assert session.buffers.device.type == "cpu"  # staging=auto on a host without CUDA: host slots
+        assert session.push().total_bytes == sum(nbytes.values())
+        assert not target.replica.verifying  # every parameter was checked on that push
+        session.apply(assignment(2, handle, path))
+        assert session.targets[0].replica is target.replica and target.replica.verifying  # a new generation
+        assert session.push().total_bytes == sum(nbytes.values()) and not target.replica.verifying
+    finally:
+        session.close()
+    session, _ = make_session(model, monkeypatch, executor="sglang")
+    try:
+        session.apply(assignment(1, handle, path))
+        assert isinstance(session.targets[0].replica, RankReplica)
+        handle.fill()
+        session.push()
+        written = handle.dump(str(tmp_path / "sglang.pt"))
+        assert not [n for n, t in written.items() if bool((t == 0xFF).all())]
+    finally:
+        session.close()

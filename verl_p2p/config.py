@@ -18,6 +18,8 @@ _CHOICES = {
     "protocol": ("rdma", "tcp"),
     "pause_mode": ("abort", "retract"),
     "export_mode": ("auto", "pp_local", "filter_full"),
+    "executor": ("compiled", "sglang"),
+    "staging": ("auto", "gpu", "pinned"),
 }
 
 
@@ -40,6 +42,9 @@ class P2PConfig:
     check_weight_update_skip_list: tuple[str, ...] = ()
     export_mode: str = "auto"
     release_buffers_on_save: bool = True
+    executor: str = "compiled"  # HF -> rollout bytes: compiled copy programs, or SGLang's load_weights per param
+    verify_first_push: bool = False  # check the first push of each plan generation against SGLang's loader
+    staging: str = "auto"  # transfer slots in GPU memory (gpu), pinned host memory (pinned), or choose (auto)
     extra: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -80,7 +85,12 @@ class P2PConfig:
             value = getattr(self, key)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
                 errors.append(f"{key}={value!r} (a positive number of seconds)")
-        for key in ("check_weight_update_equal", "check_weight_update_allow_quant_error", "release_buffers_on_save"):
+        for key in (
+            "check_weight_update_equal",
+            "check_weight_update_allow_quant_error",
+            "release_buffers_on_save",
+            "verify_first_push",
+        ):
             if not isinstance(getattr(self, key), bool):
                 errors.append(f"{key}={getattr(self, key)!r} (true or false)")
         if not all(isinstance(s, str) for s in self.check_weight_update_skip_list):

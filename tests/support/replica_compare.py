@@ -4,7 +4,8 @@
 `python tests/support/replica_compare.py SPEC.json...` it prints `RESULTS <json>`. For each job and rank:
 RankReplica.build from the witness's resolved server args, every parameter loaded into a NaN-prefilled
 buffer and compared bit for bit with the witness parameter, then produced again chunk by chunk
-(load_chunk) and compared; finally every HF tensor must land on some rank.
+(load_chunk) and compared; the compiled executor (`CompiledReplica`) does the same, whole and chunked;
+finally every HF tensor must land on some rank.
 """
 
 import json
@@ -19,6 +20,7 @@ def _compare_job(job: dict, world: int, out: str) -> dict:
 
     from verl_p2p.planning.layout import layout_from_server_args
     from verl_p2p.replica import RankReplica, check_hf_coverage
+    from verl_p2p.replica.compiled import CompiledReplica
     from verl_p2p.sandbox.tiny import hf_tensor_shapes
 
     out = os.path.join(out, job["tag"])
@@ -26,11 +28,13 @@ def _compare_job(job: dict, world: int, out: str) -> dict:
     cfg = json.load(open(os.path.join(job["model_path"], "config.json")))
     tensors = load_file(os.path.join(job["model_path"], "model.safetensors"))
     specs = {n: (tuple(s), tensors[n].dtype) for n, s in hf_tensor_shapes(cfg)}
-    problems, plans, checked, chunked = [], [], 0, 0
+    problems, plans, checked, chunked, compiled, compiled_chunked, fallbacks = [], [], 0, 0, 0, 0, []
     for rank in range(world):
         witness = torch.load(os.path.join(out, f"rank{rank}.pt"))
         replica = RankReplica.build(cfg, info, layout_from_server_args(info, rank), specs)
         plans.append(replica.plan)
+        executor = CompiledReplica(replica)
+        fallbacks += [f"rank {rank} {n}: {why}" for n, why in executor.fallbacks.items()]
         if list(replica.plan.params) != list(witness):
             problems.append(f"rank {rank}: names differ {sorted(set(replica.plan.params) ^ set(witness))}")
             continue
@@ -48,14 +52,22 @@ def _compare_job(job: dict, world: int, out: str) -> dict:
                 problems.append(f"rank {rank} {name}: {bad} of {p.numel} elements differ")
                 continue
             checked += 1
+            fast = torch.full((p.numel,), float("nan"), dtype=p.dtype).view(torch.uint8)
+            executor.load(name, feeds, fast)
+            if not torch.equal(fast, want):
+                bad = int((fast.view(p.dtype) != want.view(p.dtype)).sum())
+                problems.append(f"rank {rank} {name}: compiled executor: {bad} of {p.numel} elements differ")
+            compiled += 1
             ranges = replica.chunks(name, max(p.nbytes // 3, p.nbytes // max(p.shape[0], 1)))
             if len(ranges) > 1:
-                again = torch.full((p.numel,), float("nan"), dtype=p.dtype).view(torch.uint8)
-                for off, n in ranges:
-                    replica.load_chunk(name, feeds, off, again[off : off + n])
-                if not torch.equal(again, want):
-                    problems.append(f"rank {rank} {name}: chunked load differs")
+                for which, loader in (("replay", replica), ("compiled", executor)):
+                    again = torch.full((p.numel,), float("nan"), dtype=p.dtype).view(torch.uint8)
+                    for off, n in ranges:
+                        loader.load_chunk(name, feeds, off, again[off : off + n])
+                    if not torch.equal(again, want):
+                        problems.append(f"rank {rank} {name}: chunked load ({which}) differs")
                 chunked += 1
+                compiled_chunked += 1
     try:
         check_hf_coverage(plans)
     except Exception as e:
@@ -65,6 +77,9 @@ def _compare_job(job: dict, world: int, out: str) -> dict:
         "version": sglang.__version__,
         "checked": checked,
         "chunked": chunked,
+        "compiled": compiled,
+        "compiled_chunked": compiled_chunked,
+        "fallbacks": fallbacks,
         "problems": problems,
     }
 

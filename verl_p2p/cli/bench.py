@@ -9,6 +9,11 @@ goal <= 1.25), and the source's peak staging memory over the bytes of its two sl
 (goal <= 1.10): the peak bytes of streamed HF tensors still alive (weak references: whoever holds them) plus
 the slots; the replica loads straight into the slots. The process's RSS growth during the pushes is given
 as a cross-check (it would show temporaries of SGLang's loaders or Mooncake).
+
+A broadcast baseline runs in the same loop: the full HF checkpoint packed into the same slots and written
+to every target rank over the same transport (what a ring/broadcast backend moves: each rank receives the
+whole model and converts it itself). `p2p_speedup_vs_broadcast` is broadcast seconds over push seconds
+(goal >= 0.8 x ranks per engine). `--device cpu|cuda` runs the conversion bench instead (`bench_convert`).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import threading
 import time
 import zlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -60,6 +65,40 @@ class BenchShape:
             head_dim=self.head_dim,
             torch_dtype="bfloat16",
         )
+
+
+MODELS = ("bench", "qwen3-30b-a3b", "tiny")
+
+
+def model_shape(model: str, layers: int | None = None, experts: int | None = None) -> BenchShape:
+    """The bench's synthetic model (about 1.2 GB bf16), Qwen3-30B-A3B's published shape with `layers`
+    decoder layers (default: 24 for the bench model, 4 for Qwen3-30B-A3B: about 6 GB), or a tiny one for
+    smoke runs (under 4 MB)."""
+    if model == "bench":
+        base = BenchShape()
+    elif model == "tiny":
+        base = BenchShape(
+            hidden_size=128,
+            num_hidden_layers=2,
+            num_experts=4,
+            moe_intermediate_size=64,
+            vocab_size=1024,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+        )
+    elif model == "qwen3-30b-a3b":
+        from verl_p2p.cli.bench_convert import QWEN3_30B_A3B
+
+        base = BenchShape(**{**QWEN3_30B_A3B, "num_hidden_layers": 4})
+    else:
+        raise ValueError(f"unknown bench model {model!r}; choose one of {list(MODELS)}")
+    changes = {}
+    if layers is not None:
+        changes["num_hidden_layers"] = layers
+    if experts is not None:
+        changes["num_experts"] = experts
+    return replace(base, **changes)
 
 
 class RecordingWriter(Writer):
@@ -158,6 +197,48 @@ def _raw_replay(writer: Writer, recorded: list[list[WriteEntry]], slots: Sequenc
     return elapsed
 
 
+def _broadcast_once(
+    stream: SyntheticStream, buffers, writer: Writer, targets: Sequence[TargetRank], flush_bytes: int
+) -> float:
+    """A broadcast backend's move over the same transport and slots: every HF tensor's bytes packed into the
+    slots in checkpoint order and written to every target rank, with the push's slot flow control."""
+    from verl_p2p.transfer.buffers import ALIGN
+
+    start = time.perf_counter()
+    buffers.begin()
+    slot, fill, entries, unsent, failures = None, 0, [], 0, []
+
+    def flush() -> None:
+        nonlocal entries, unsent
+        if slot is not None and entries:
+            slot.track(writer.submit(entries))
+        entries, unsent = [], 0
+
+    for name, tensor in stream:
+        src = tensor.contiguous().reshape(-1).view(torch.uint8)
+        for offset in range(0, src.numel(), buffers.slot_bytes):
+            n = min(buffers.slot_bytes, src.numel() - offset)
+            at = -(-fill // ALIGN) * ALIGN
+            if slot is None or at + n > slot.nbytes:
+                flush()
+                slot, lost = buffers.next_slot()
+                failures += lost
+                at = 0
+            fill = at + n
+            view = slot.view(at, n)
+            view.copy_(src[offset : offset + n])
+            entries += [WriteEntry(t, name, offset, view.data_ptr(), n) for t in targets]
+            unsent += n
+            if unsent >= flush_bytes:
+                flush()
+    flush()
+    failures += buffers.drain()
+    elapsed = time.perf_counter() - start
+    if failures:
+        raise RuntimeError(f"broadcast failed: {[f.describe() for f in failures]}")
+    return elapsed
+
+
 def run_bench(
     out_path: str | None = None,
     shape: BenchShape | None = None,
@@ -170,6 +251,9 @@ def run_bench(
     hostname: str = "127.0.0.1",
     timeout_s: float = 120.0,
     verify: bool = True,
+    executor: str = "compiled",
+    broadcast: bool = True,
+    argv: Sequence[str] | None = None,
 ) -> dict:
     """Run the benchmark and return (and write to `out_path`, if given) its numbers."""
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
@@ -177,6 +261,7 @@ def run_bench(
 
     install_cpu_stubs()
     from verl_p2p.planning.layout import layout_from_server_args
+    from verl_p2p.replica.compiled import make_executor
     from verl_p2p.replica.stream import RankReplica
     from verl_p2p.sandbox.tiny import hf_tensor_shapes
     from verl_p2p.trainer.push import PushTarget, push
@@ -195,34 +280,46 @@ def run_bench(
     ]
     build_s = time.perf_counter() - t0
     targets_of = {TargetRank(e, r): replicas[r] for e in range(engines) for r in range(tp_size)}
-    handles = start_receivers(
-        {f"{t.engine}.{t.rank}": spec_from_plan(rep.plan.params) for t, rep in targets_of.items()},
-        hostname=hostname,
-        protocol=protocol,
-    )
-    transport = buffers = writer = None
+    executors = [make_executor(rep, executor) for rep in replicas]
+    specs_of = {f"{t.engine}.{t.rank}": spec_from_plan(rep.plan.params) for t, rep in targets_of.items()}
+    if broadcast:  # one more receiver per target rank, holding the whole HF checkpoint
+        hf_spec = {n: (_numel(s), str(d).removeprefix("torch.")) for n, (s, d) in specs.items()}
+        specs_of.update({f"b{t.engine}.{t.rank}": hf_spec for t in targets_of})
+    handles = start_receivers(specs_of, hostname=hostname, protocol=protocol)
+    transport = buffers = writer = bwriter = None
     try:
         receivers = {t: handles[f"{t.engine}.{t.rank}"] for t in targets_of}
-        targets = [PushTarget(t, targets_of[t], receivers[t].remote_info()) for t in sorted(targets_of)]
+        targets = [PushTarget(t, executors[t.rank], receivers[t].remote_info()) for t in sorted(targets_of)]
         transport = MooncakeTransport(hostname, protocol=protocol, timeout_s=timeout_s)
         buffers = TransferBuffers(slot_mb << 20, transport)
         writer = RecordingWriter(transport, {t.target: t.remote for t in targets}, timeout_s=timeout_s)
+        if broadcast:
+            bremote = {t: handles[f"b{t.engine}.{t.rank}"].remote_info() for t in targets_of}
+            bwriter = Writer(transport, bremote, timeout_s=timeout_s)
         stream = SyntheticStream(specs)
         for slot in buffers.slots:
             slot.tensor.zero_()  # resident before the baseline: the slots are counted on their own
-        runs = []
+        runs, broadcast_s = [], []
+        flush_bytes = max(256, buffers.slot_bytes // 8)
         with RssSampler() as rss:
             push(iter(stream), targets, buffers, writer)  # warm-up (connections, page faults); records the writes
-            for _ in range(repeats):  # raw replay of the last push's write lists, then a push: side by side
+            if broadcast:
+                _broadcast_once(stream, buffers, bwriter, sorted(bremote), flush_bytes)  # warm-up
+            for _ in range(repeats):  # raw replay of the last push's write lists, a push, a broadcast: side by side
                 recorded, writer.recorded = writer.recorded, []
                 slots = [(x.addr, x.addr + x.nbytes) for x in buffers.slots]
                 raw_s = _raw_replay(writer, recorded, slots)
                 writer.recorded = []  # the replay's own submits are not part of the next push
                 runs.append((push(iter(stream), targets, buffers, writer), raw_s))
+                if broadcast:
+                    broadcast_s.append(_broadcast_once(stream, buffers, bwriter, sorted(bremote), flush_bytes))
         verified = _verify(stream, targets_of, receivers) if verify else None
+        if verify and broadcast:
+            verified = verified and _verify_broadcast(stream, [handles[f"b{t.engine}.{t.rank}"] for t in targets_of])
     finally:
-        if writer is not None:
-            writer.close()
+        for w in (writer, bwriter):
+            if w is not None:
+                w.close()
         if buffers is not None:
             buffers.release()
         stop_all(handles.values())
@@ -263,9 +360,20 @@ def run_bench(
         "rss_growth_bytes": rss.peak - rss.baseline,
         "staging_over_slots_rss": (max(0, rss.peak - rss.baseline) + slot_bytes) / slot_bytes,
         "replica_build_seconds": build_s,
+        "executor": executor,
         "verified": verified,
-        "goals": {"push_over_raw": 1.25, "staging_over_slots": 1.10},
+        "goals": {"push_over_raw": 1.25, "staging_over_slots": 1.10, "p2p_speedup_vs_broadcast": 0.8 * tp_size},
     }
+    if argv is not None:
+        result["command"] = " ".join(["verl-p2p", "bench", *argv])
+    if broadcast:
+        result.update(
+            broadcast_bytes_written=model_bytes * len(targets_of),
+            broadcast_seconds=broadcast_s,
+            broadcast_seconds_median=statistics.median(broadcast_s),
+            broadcast_gbps=model_bytes * len(targets_of) / statistics.median(broadcast_s) / 1e9,
+            p2p_speedup_vs_broadcast=statistics.median(b / p for b, p in zip(broadcast_s, push_s, strict=True)),
+        )
     print(format_table(result))
     if out_path:
         with open(out_path, "w") as f:
@@ -293,10 +401,27 @@ def _verify(stream: SyntheticStream, targets_of, receivers) -> bool:
     return True
 
 
+def _verify_broadcast(stream: SyntheticStream, handles) -> bool:
+    """Every broadcast receiver holds every HF tensor's bytes."""
+    import hashlib
+
+    want = {
+        n: hashlib.blake2b(t.contiguous().reshape(-1).view(torch.uint8).numpy(), digest_size=16).hexdigest()
+        for n, t in stream
+    }
+    for h in handles:
+        got = h.digest()
+        bad = sorted(n for n in want if got.get(n) != want[n])
+        if bad:
+            raise RuntimeError(f"broadcast receiver {h.name}: bytes differ for {bad[:5]}")
+    return True
+
+
 def format_table(r: dict) -> str:
     gb = 1e9
     rows = [
         ("model (bf16)", f"{r['model_bytes'] / gb:.2f} GB"),
+        ("executor", r.get("executor", "sglang")),
         (
             "targets",
             f"{r['engines']} engines x {r['tp_size']} ranks (tp{r['tp_size']} ep{r['ep_size']}, {r['protocol']})",
@@ -326,6 +451,18 @@ def format_table(r: dict) -> str:
         ),
         ("receiver bytes verified", str(r["verified"])),
     ]
+    if "p2p_speedup_vs_broadcast" in r:
+        rows[-1:-1] = [
+            (
+                "broadcast seconds (median)",
+                f"{r['broadcast_seconds_median']:.3f}  ({', '.join(f'{x:.3f}' for x in r['broadcast_seconds'])}), "
+                f"{r['broadcast_bytes_written'] / gb:.2f} GB",
+            ),
+            (
+                f"p2p_speedup_vs_broadcast (goal >= {r['goals']['p2p_speedup_vs_broadcast']:.1f})",
+                f"{r['p2p_speedup_vs_broadcast']:.3f}",
+            ),
+        ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
 
@@ -337,14 +474,42 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engines", type=int, default=2)
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--ep", type=int, default=2)
-    parser.add_argument("--layers", type=int, default=BenchShape.num_hidden_layers)
-    parser.add_argument("--experts", type=int, default=BenchShape.num_experts)
+    parser.add_argument("--model", default="bench", choices=MODELS, help="synthetic model shape")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's)")
+    parser.add_argument("--experts", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--protocol", default="tcp", choices=("tcp", "rdma"))
     parser.add_argument("--hostname", default="127.0.0.1")
-    parser.add_argument("--no-verify", action="store_true", help="skip the receiver byte check")
+    parser.add_argument("--no-verify", action="store_true", help="skip the byte checks")
+    parser.add_argument("--executor", default="compiled", choices=("compiled", "sglang"), help="push bench executor")
+    parser.add_argument("--no-broadcast", action="store_true", help="skip the broadcast baseline")
+    parser.add_argument(
+        "--device",
+        default=None,
+        help="cpu or cuda[:N]: run the conversion bench (both executors, HF tensors on this device) instead",
+    )
+    parser.add_argument("--slots", default=None, help="conversion bench slot kinds, comma list of gpu,pinned,host")
+    parser.add_argument("--no-stage", action="store_true", help="conversion bench: skip the push-without-wire runs")
     args = parser.parse_args(argv)
-    shape = BenchShape(num_hidden_layers=args.layers, num_experts=args.experts)
+    shape = model_shape(args.model, args.layers, args.experts)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if args.device is not None:
+        from verl_p2p.cli.bench_convert import run_convert_bench
+
+        run_convert_bench(
+            device=args.device,
+            shape=shape,
+            tp_size=args.tp,
+            ep_size=args.ep,
+            slot_mb=args.slot_mb,
+            repeats=args.repeats,
+            slot_kinds=args.slots.split(",") if args.slots else None,
+            stage=not args.no_stage,
+            verify=not args.no_verify,
+            out_path=args.out,
+            argv=argv,
+        )
+        return 0
     run_bench(
         out_path=args.out,
         shape=shape,
@@ -356,6 +521,9 @@ def main(argv: list[str] | None = None) -> int:
         protocol=args.protocol,
         hostname=args.hostname,
         verify=not args.no_verify,
+        executor=args.executor,
+        broadcast=not args.no_broadcast,
+        argv=argv,
     )
     return 0
 

@@ -1,9 +1,11 @@
 """Trainer-side replica of one SGLang rollout rank: HF tensors -> that rank's exact parameter bytes.
 
-`RankReplica.build(hf_config, server_args, layout, hf_specs)` is the entry point (see `stream.py`).
-SGLang is imported lazily, when a replica is built.
+`RankReplica.build(hf_config, server_args, layout, hf_specs)` is the entry point (see `stream.py`); it is
+the reference executor (SGLang's loader per parameter). `CompiledReplica` (`compiled.py`) runs the same plan
+as batched torch copies. SGLang is imported lazily, when a replica is built.
 """
 
+from verl_p2p.replica.compiled import CompiledPlanMismatchError, CompiledReplica, make_executor
 from verl_p2p.replica.plan import (
     ParamPlan,
     RecordedWrite,
@@ -22,6 +24,8 @@ from verl_p2p.replica.stream import CompletenessStager, RankReplica, ReplicaLoad
 
 __all__ = [
     "SUPPORTED_SGLANG_VERSIONS",
+    "CompiledPlanMismatchError",
+    "CompiledReplica",
     "CompletenessStager",
     "ParamPlan",
     "RankContext",
@@ -33,5 +37,6 @@ __all__ = [
     "WritePlan",
     "WritePlanError",
     "check_hf_coverage",
+    "make_executor",
     "rank_context",
 ]

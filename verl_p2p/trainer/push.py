@@ -1,8 +1,10 @@
 """The trainer source's data plane (DESIGN.md section 1): HF stream -> stager -> replica.load into a transfer
 slot -> writer sends the slot to every target holding those bytes, while the next slot fills.
 
-Targets whose replicas have equal keys hold byte-identical shards, so those bytes are loaded once and
-written to each. A parameter is loaded only once all its HF inputs arrived (never half-updated); one
+The replica is an executor (`verl_p2p.replica.compiled.make_executor`): the compiled copy programs or
+SGLang's loader; on CUDA its copies are asynchronous, so the slot's device is synchronized before its bytes
+are submitted. Targets whose replicas have equal keys hold byte-identical shards, so those bytes are loaded
+once and written to each. A parameter is loaded only once all its HF inputs arrived (never half-updated); one
 larger than a slot is loaded and written chunk by chunk. At the end every parameter of every target was
 written exactly once, or the push raises naming what is missing or which targets failed.
 """
@@ -43,7 +45,7 @@ class StagerLike(Protocol):
 
 
 class ReplicaLike(Protocol):
-    """What push needs from `verl_p2p.replica.RankReplica`."""
+    """What push needs from `verl_p2p.replica.RankReplica` or `verl_p2p.replica.CompiledReplica`."""
 
     key: Hashable
     plan: Any  # .params: Mapping[str, ParamPlanLike]
@@ -175,6 +177,7 @@ class _Pusher:
         self.fill = 0
         self.entries: list[WriteEntry] = []
         self.live_bytes = 0
+        self.cuda_devices: set[torch.device] = set()  # devices with loads the writes must wait for
 
     # staging-memory accounting: bytes of offered HF tensors that are still alive (held by anyone)
     def track(self, tensor: torch.Tensor) -> None:
@@ -201,6 +204,7 @@ class _Pusher:
         plan = group.params[param]
         nbytes = int(plan.nbytes)
         feeds = group.take(param)
+        self.cuda_devices.update(t.device for t in feeds.values() if t.device.type == "cuda")
         if nbytes > self.buffers.slot_bytes or not plan.feeds:
             for offset, length in group.replica.chunks(param, self.buffers.slot_bytes):
                 dst = self._space(length)
@@ -224,6 +228,14 @@ class _Pusher:
         if self.unsent >= self.flush_bytes:
             self.flush()  # start writing what is loaded; the rest of the slot keeps filling meanwhile
 
+    def _fence(self) -> None:
+        """CUDA copies into a slot are asynchronous: wait for them before the transport reads the slot."""
+        if self.slot is not None and self.slot.tensor.device.type == "cuda":
+            self.cuda_devices.add(self.slot.tensor.device)
+        for device in self.cuda_devices:
+            torch.cuda.synchronize(device)
+        self.cuda_devices.clear()
+
     def _space(self, nbytes: int) -> torch.Tensor:
         """A uint8 view of `nbytes` free bytes in the current slot, submitting it first when full."""
         start = -(-self.fill // ALIGN) * ALIGN
@@ -241,6 +253,9 @@ class _Pusher:
     def flush(self) -> None:
         """Submit the loaded, unsent part of the current slot."""
         if self.slot is not None and self.entries:
+            t0 = time.perf_counter()
+            self._fence()
+            self.metrics.seconds_load += time.perf_counter() - t0
             batch = self.writer.submit(self.entries)
             self.slot.track(batch)
             self.metrics.num_batches += 1

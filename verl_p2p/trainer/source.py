@@ -57,6 +57,7 @@ class SourceSession:
         self.buffers = None
         self._save_hook = None
         self._replicas: dict[Hashable, Any] = {}
+        self._executors: dict[Hashable, Any] = {}
         self._hf_specs = None
         self.assignment: Assignment | None = None
         self.writer = None
@@ -84,8 +85,12 @@ class SourceSession:
         targets = []
         for target in assignment.targets:
             server_info = assignment.server_infos[target.engine]
-            replica = self._replica(server_info, assignment.layouts[target])
+            replica = self._executor(self._replica(server_info, assignment.layouts[target]))
             targets.append(PushTarget(target, replica, assignment.rank_infos[target]))
+        if self.config.verify_first_push:
+            for executor in {id(t.replica): t.replica for t in targets}.values():
+                if hasattr(executor, "verify_next_push"):
+                    executor.verify_next_push()  # the first push of this plan generation
         if self.writer is not None:
             self.writer.close()
         self.writer = (
@@ -117,12 +122,17 @@ class SourceSession:
             return
         from verl_p2p.transfer.buffers import TransferBuffers
         from verl_p2p.transfer.mooncake import MooncakeTransport
+        from verl_p2p.transfer.staging import choose_staging
 
         config = self.config
         self.transport = MooncakeTransport(
             self.hostname or _node_ip(), config.protocol, config.device_name, timeout_s=config.p2p_transfer_timeout
         )
-        self.buffers = TransferBuffers(config.bucket_size_bytes, self.transport)
+        staging = choose_staging(config.staging, _hf_device())
+        logger.info("p2p transfer slots: %s", staging.reason)
+        self.buffers = TransferBuffers(
+            config.bucket_size_bytes, self.transport, device=staging.device, pin_memory=staging.pin_memory
+        )
         if config.release_buffers_on_save:
             from verl_p2p.trainer.verl_engine import release_buffers_around_save
 
@@ -138,6 +148,15 @@ class SourceSession:
             model_config = self.engine.model_config
             self._replicas[key] = RankReplica.build(model_config.hf_config, server_info, layout, self._specs())
         return self._replicas[key]
+
+    def _executor(self, replica) -> Any:
+        """The executor pushing `replica`'s bytes (`executor` option), one per replica key: compiled copy
+        programs (SGLang's loader for what cannot be compiled), or SGLang's loader for every parameter."""
+        if replica.key not in self._executors:
+            from verl_p2p.replica.compiled import make_executor
+
+            self._executors[replica.key] = make_executor(replica, self.config.executor)
+        return self._executors[replica.key]
 
     def _specs(self):
         if self._hf_specs is None:
@@ -174,6 +193,13 @@ class SourceSession:
             self._save_hook.remove()
         if self.buffers is not None:
             self.buffers.release()
+
+
+def _hf_device() -> Any:
+    """Where the export yields HF tensors: this rank's GPU on a CUDA host (verl's Megatron engine), else CPU."""
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _node_ip() -> str:

@@ -59,11 +59,17 @@ class Slot:
 
 
 class TransferBuffers:
-    """`num_slots` (two) buffers of `slot_bytes`: pinned host memory when CUDA is available, plain host
-    memory otherwise, or GPU memory with `device="cuda"` (needs a CUDA build of the transport)."""
+    """`num_slots` (two) buffers of `slot_bytes`: host memory (pinned when CUDA is available, unless
+    `pin_memory` says otherwise), or GPU memory with `device="cuda"` (needs a CUDA build of the transport;
+    `verl_p2p.transfer.staging.choose_staging` picks)."""
 
     def __init__(
-        self, slot_bytes: int, transport: Transport, device: str | torch.device | None = None, num_slots: int = 2
+        self,
+        slot_bytes: int,
+        transport: Transport,
+        device: str | torch.device | None = None,
+        num_slots: int = 2,
+        pin_memory: bool | None = None,
     ):
         if slot_bytes < ALIGN or num_slots < 1:
             raise ValueError(f"slot_bytes={slot_bytes} must be >= {ALIGN} and num_slots={num_slots} >= 1")
@@ -71,7 +77,8 @@ class TransferBuffers:
         self.transport = transport
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.num_slots = num_slots
-        self.pinned = self.device.type == "cpu" and torch.cuda.is_available()
+        cuda_host = torch.cuda.is_available()
+        self.pinned = self.device.type == "cpu" and cuda_host and (pin_memory is None or pin_memory)
         self.slots: list[Slot] = []
         self._quarantined: list[Slot] = []
         self._next = 0
@@ -121,6 +128,8 @@ class TransferBuffers:
         self.slots.clear()
         self._next = 0
         self.reclaim()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # give the slots' GPU memory back, not just to torch's cache
         if self._quarantined:
             logger.warning(
                 "%d quarantined transfer slot(s) still read by a blocked write; freed once it returns",

@@ -34,6 +34,41 @@ def import_transfer_engine():
     return TransferEngine
 
 
+# Mooncake's wheels: one name per build. CUDA builds can register GPU memory (GPUDirect RDMA on real NICs).
+MOONCAKE_CUDA_DISTS = ("mooncake-transfer-engine", "mooncake-transfer-engine-cuda13")
+MOONCAKE_HOST_DISTS = ("mooncake-transfer-engine-non-cuda",)
+# Symbols only a CUDA build of the engine links (it asks CUDA where a registered address lives).
+_CUDA_SYMBOLS = (b"cudaPointerGetAttributes", b"libcudart")
+
+
+def mooncake_gpu_memory_support() -> tuple[bool, str]:
+    """Whether the installed Mooncake can register (and write from) GPU memory, and how that was decided:
+    by the installed wheel's name, else (a source build) by whether its engine links the CUDA runtime."""
+    import importlib.metadata
+    import importlib.util
+
+    for dist in MOONCAKE_HOST_DISTS + MOONCAKE_CUDA_DISTS:
+        try:
+            version = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        if dist in MOONCAKE_HOST_DISTS:
+            return False, f"{dist} {version} is Mooncake's build without CUDA: it cannot register GPU memory"
+        return True, f"{dist} {version} is a CUDA build of Mooncake"
+    spec = importlib.util.find_spec("mooncake")
+    if spec is None or not spec.submodule_search_locations:
+        return False, f"Mooncake is not installed; {_INSTALL_HINT}"
+    engine = os.path.join(list(spec.submodule_search_locations)[0], "engine.so")
+    try:
+        with open(engine, "rb") as f:
+            blob = f.read()
+    except OSError as exc:
+        return False, f"cannot read Mooncake's engine ({exc})"
+    if any(sym in blob for sym in _CUDA_SYMBOLS):
+        return True, f"{engine} links the CUDA runtime"
+    return False, f"{engine} does not link the CUDA runtime (a build without CUDA)"
+
+
 def set_transfer_timeout_env(timeout_s: float) -> None:
     """Make Mooncake give up on a stuck write about when our own deadline fires (it waits 30 s by default),
     so a thread blocked on a frozen peer does not linger much past the push's failure. Measured on tcp:

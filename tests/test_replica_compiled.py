@@ -1,0 +1,143 @@
+"""The compiled executor in one process (installed SGLang): byte equality with the reference executor
+(SGLang's own `load_weights`), whole and by slot-sized chunks, for id-encoded float32 and random bfloat16
+checkpoints; the fallback for a parameter that cannot be compiled; the first-push verification.
+
+Equality with SGLang's own distributed ranks, for every layout of the matrix and both SGLang releases, is in
+test_replica_exact.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+import torch
+
+from verl_p2p.planning.layout import layout_from_server_args
+from verl_p2p.sandbox.cpu_stubs import install_cpu_stubs
+from verl_p2p.sandbox.tiny import tiny_config_dict, tiny_state_dict
+
+install_cpu_stubs()
+
+from verl_p2p.replica import RankReplica  # noqa: E402
+from verl_p2p.replica.compiled import CompiledPlanMismatchError, CompiledReplica, make_executor  # noqa: E402
+
+# moe tp2/ep1: experts split by rows (gate/up) and columns (down); qwen2 tp2: padded vocab fill, tied lm_head
+CASES = {
+    "moe-tp2": ("qwen3_moe", dict(vocab_size=250), {"tp_size": 2, "ep_size": 1}),
+    "qwen2-tp2": ("qwen2", dict(vocab_size=250, tie_word_embeddings=True), {"tp_size": 2}),
+}
+DTYPES = {"float32-ids": (torch.float32, True), "bfloat16-random": (torch.bfloat16, False)}
+
+
+def _build(arch, overrides, args, dtype, id_encoded, ranks=None):
+    cfg = tiny_config_dict(arch, **overrides)
+    sd = tiny_state_dict(cfg, id_encoded=id_encoded, dtype=dtype)
+    specs = {n: (tuple(t.shape), t.dtype) for n, t in sd.items()}
+    args = {**args, "dtype": str(dtype).removeprefix("torch.")}
+    ranks = range(args["tp_size"]) if ranks is None else ranks
+    return sd, [RankReplica.build(cfg, args, layout_from_server_args(args, r), specs) for r in ranks]
+
+
+def _nan_bytes(p) -> torch.Tensor:
+    return torch.full((p.numel,), float("nan"), dtype=p.dtype).view(torch.uint8)
+
+
+@pytest.fixture(scope="module")
+def moe_bf16():
+    return _build(*CASES["moe-tp2"], torch.bfloat16, False, ranks=[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES)
+def test_compiled_bytes_equal_reference(case, dtype):
+    sd, replicas = _build(*CASES[case], *DTYPES[dtype])
+    for ref in replicas:
+        ex = CompiledReplica(ref)
+        assert not ex.fallbacks
+        for name, p in ref.plan.params.items():
+            feeds = {f: sd[f] for f in p.feeds}
+            want, got = _nan_bytes(p), _nan_bytes(p)
+            ref.load(name, feeds, want)
+            ex.load(name, feeds, got)
+            assert torch.equal(got, want), f"rank {ref.layout.tp_rank} {name}"
+            step = max(p.dtype.itemsize, (p.nbytes // 3) // p.dtype.itemsize * p.dtype.itemsize)
+            chunked = _nan_bytes(p)
+            for off in range(0, p.nbytes, step):  # slot-sized pieces cutting through rows and experts
+                n = min(step, p.nbytes - off)
+                ex.load_chunk(name, feeds, off, chunked[off : off + n])
+            assert torch.equal(chunked, want), f"rank {ref.layout.tp_rank} {name} chunked"
+
+
+def test_forced_fallback_is_exact_and_logged_once(moe_bf16, caplog):
+    """A parameter whose recorded copy comes from an intermediate (not a view of an HF tensor) cannot be
+    compiled: SGLang's loader produces it, the reason is logged once, and the bytes are still exact."""
+    sd, (ref,) = moe_bf16
+    name = "model.layers.1.mlp.experts.w13_weight"
+    p = ref.plan.params[name]
+    writes = (dataclasses.replace(p.writes[0], source=None),) + p.writes[1:]
+    plan = dataclasses.replace(ref.plan, params={**ref.plan.params, name: dataclasses.replace(p, writes=writes)})
+    forced = RankReplica(ref.ctx, ref.model, plan, key=ref.key + ("forced",))
+    with caplog.at_level(logging.WARNING, logger="verl_p2p.replica.compiled"):
+        ex = CompiledReplica(forced)
+        again = CompiledReplica(forced)  # a new plan generation with the same replica: not logged again
+    assert list(ex.fallbacks) == [name] and "intermediate tensor" in ex.fallbacks[name]
+    logged = [r.getMessage() for r in caplog.records if name in r.getMessage()]
+    assert len(logged) == 1 and "intermediate tensor" in logged[0]
+    feeds = {f: sd[f] for f in p.feeds}
+    want, got = _nan_bytes(p), _nan_bytes(p)
+    ref.load(name, feeds, want)
+    calls = []
+    original = forced.load
+    forced.load = lambda *a: (calls.append(a[0]), original(*a))[1]
+    again.load(name, feeds, got)
+    assert calls == [name] and torch.equal(got, want)
+    other = "model.layers.1.mlp.experts.w2_weight"  # still compiled: SGLang is not called for it
+    again.load(other, {f: sd[f] for f in plan.params[other].feeds}, _nan_bytes(plan.params[other]))
+    assert calls == [name]
+
+
+def test_first_push_verification_names_the_corrupted_tensor(moe_bf16):
+    sd, (ref,) = moe_bf16
+    ex = make_executor(ref, "compiled", verify_first_push=True)
+    assert ex.verifying
+    name = "model.layers.0.mlp.experts.w2_weight"
+    p = ref.plan.params[name]
+    prog = ex.program(name)
+    batch = prog.copies[0]
+    swapped = batch.hf_names[1:2] + batch.hf_names[:1] + batch.hf_names[2:]  # two experts trade places
+    ex.programs[(name, 0, p.numel)] = dataclasses.replace(
+        prog, copies=(dataclasses.replace(batch, hf_names=swapped),) + prog.copies[1:]
+    )
+    good = "model.layers.0.self_attn.qkv_proj.weight"
+    ex.load(good, {f: sd[f] for f in ref.plan.params[good].feeds}, _nan_bytes(ref.plan.params[good]))
+    with pytest.raises(CompiledPlanMismatchError) as err:
+        ex.load(name, {f: sd[f] for f in p.feeds}, _nan_bytes(p))
+    msg = str(err.value)
+    assert f"parameter {name} of rollout rank 1" in msg and "executor=sglang" in msg
+    # a chunked load is verified too: a corrupted chunk program is caught on its chunk
+    ex.verify_next_push()
+    feeds = {f: sd[f] for f in p.feeds}
+    (first, n), *_ = ref.chunks(name, p.nbytes // 2)
+    es = p.dtype.itemsize
+    chunk = ex.program(name, 0, n // es)
+    wrong = dataclasses.replace(chunk.copies[0], hf_names=tuple(reversed(chunk.copies[0].hf_names)))
+    ex.programs[(name, 0, n // es)] = dataclasses.replace(chunk, copies=(wrong,) + chunk.copies[1:])
+    with pytest.raises(CompiledPlanMismatchError, match=f"parameter {name} of rollout rank 1"):
+        ex.load_chunk(name, feeds, first, _nan_bytes(p)[:n])
+
+
+def test_verification_covers_one_push_only(moe_bf16):
+    sd, (ref,) = moe_bf16
+    ex = CompiledReplica(ref, verify_first_push=True)
+    calls = []
+    original = ref.load
+    ref.load = lambda *a: (calls.append(a[0]), original(*a))[1]
+    try:
+        for _ in range(2):  # two pushes: only the first is checked against SGLang's loader
+            for name, p in ref.plan.params.items():
+                ex.load(name, {f: sd[f] for f in p.feeds}, _nan_bytes(p))
+    finally:
+        del ref.load
+    assert sorted(calls) == sorted(ref.plan.params) and not ex.verifying

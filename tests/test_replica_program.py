@@ -1,0 +1,133 @@
+"""Copy programs compiled from write plans (`verl_p2p.replica.program`): pure geometry checked against the
+byte-range replay of the same recorded writes, on synthetic plans with every kind of write the replica
+records (whole-tensor and strided copies, broadcast copies, constant fills), for every sub-range a transfer
+slot can cut. Fast: no SGLang, no processes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from verl_p2p.replica.compiled import run_program
+from verl_p2p.replica.plan import ParamPlan, RecordedWrite, SourceView
+from verl_p2p.replica.program import NotCompilable, compilable, compile_param
+from verl_p2p.replica.stream import _replay
+
+EXPERTS = 4
+
+
+def _param(name, shape, writes, dtype=torch.float32):
+    numel = 1
+    for s in shape:
+        numel *= s
+    feeds = tuple(sorted({w.source.hf_name for w in writes if w.source is not None}))
+    return ParamPlan(name, shape, dtype, numel * dtype.itemsize, feeds, tuple(writes))
+
+
+def _copy(offset, shape, stride, hf, src_offset, src_shape, src_stride):
+    return RecordedWrite("copy", offset, shape, stride, SourceView(hf, src_offset, src_shape, src_stride), feeds=(hf,))
+
+
+@pytest.fixture(scope="module")
+def case():
+    """Experts (rows 0-1 of each from a whole HF tensor, row 2 from a column of another), a padded
+    embedding (slice of rows + zero fill) and a broadcast copy."""
+    specs = {}
+    for e in range(EXPERTS):
+        specs[f"a{e}"] = ((2, 8), torch.float32)
+        specs[f"b{e}"] = ((8, 4), torch.float32)
+    specs["c"] = ((5, 4), torch.float32)
+    specs["d"] = ((4,), torch.float32)
+    experts = _param(
+        "experts",
+        (EXPERTS, 3, 8),
+        [_copy(e * 24, (2, 8), (8, 1), f"a{e}", 0, (2, 8), (8, 1)) for e in range(EXPERTS)]
+        + [_copy(e * 24 + 16, (8,), (1,), f"b{e}", 1, (8,), (4,)) for e in range(EXPERTS)],
+    )
+    padded = _param(
+        "padded",
+        (5, 4),
+        [_copy(0, (3, 4), (4, 1), "c", 4, (3, 4), (4, 1)), RecordedWrite("fill", 12, (2, 4), (4, 1), fill_value=0)],
+    )
+    broadcast = _param("broadcast", (3, 4), [_copy(0, (3, 4), (4, 1), "d", 0, (4,), (1,))])
+    gen = torch.Generator().manual_seed(0)
+    hf = {n: torch.randn(s, generator=gen) for n, (s, _) in specs.items()}
+    return specs, hf, [experts, padded, broadcast]
+
+
+def _replayed(p, hf, c0, c1):
+    out = torch.full((c1 - c0,), float("nan"), dtype=p.dtype)
+    flat = {n: t.reshape(-1) for n, t in hf.items()}
+    for w in p.writes:
+        src = None
+        if w.op == "copy":
+            s = w.source
+            src = flat[s.hf_name].as_strided(s.shape, s.stride, s.offset).expand(w.shape)
+        _replay(out, c0, c1, w.offset, w.shape, w.stride, src, w.fill_value)
+    return out
+
+
+def _compiled(p, specs, hf, c0, c1):
+    out = torch.full((c1 - c0,), float("nan"), dtype=p.dtype)
+    run_program(compile_param(p, specs, c0, c1), hf, out)
+    return out
+
+
+def test_every_subrange_matches_the_replay(case):
+    specs, hf, params = case
+    for p in params:
+        n = p.numel
+        for c0 in range(0, n, 3):
+            for c1 in range(c0 + 1, n + 1, 5):
+                want = _replayed(p, hf, c0, c1)
+                got = _compiled(p, specs, hf, c0, c1)
+                assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (p.name, c0, c1)
+        assert not _compiled(p, specs, hf, 0, n).isnan().any()
+
+
+def test_experts_are_batched_not_one_call_each(case):
+    specs, _, (experts, padded, broadcast) = case
+    prog = compile_param(experts, specs)
+    assert prog.num_copies == 2 * EXPERTS and prog.launches == 2  # one batch per geometry
+    whole = next(b for b in prog.copies if b.whole_sources)
+    assert whole.hf_names == tuple(f"a{e}" for e in range(EXPERTS)) and whole.dst_step == 24
+    assert compile_param(padded, specs).launches == 2  # one copy, one fill
+    assert prog.strided_sources == frozenset(f"b{e}" for e in range(EXPERTS))
+
+
+def test_strided_runs_of_one_source_merge_into_one_copy():
+    """A loader that copies row by row from one tensor: one strided copy, not one per row."""
+    specs = {"w": ((6, 4), torch.float32)}
+    rows = [_copy(r * 8, (4,), (1,), "w", r * 4, (4,), (1,)) for r in range(6)]  # every other row of (12, 4)
+    fill = [RecordedWrite("fill", r * 8 + 4, (4,), (1,), fill_value=1.5) for r in range(6)]
+    p = _param("rows", (12, 4), rows + fill)
+    prog = compile_param(p, specs)
+    assert prog.launches == 2 and prog.num_copies == 1
+    hf = {"w": torch.arange(24, dtype=torch.float32).reshape(6, 4)}
+    assert torch.equal(_compiled(p, specs, hf, 0, 48), _replayed(p, hf, 0, 48))
+
+
+@pytest.mark.parametrize(
+    "write,reason",
+    [
+        (RecordedWrite("aten.mul_.Tensor", 0, (4,), (1,)), "aten.mul_.Tensor"),
+        (RecordedWrite("copy", 0, (4,), (1,), None, feeds=("x",)), "intermediate tensor computed from ['x']"),
+        (RecordedWrite("copy[torch.int32]", 0, (4,), (1,)), "torch.int32 view"),
+        (RecordedWrite("fill", 0, (4,), (1,), fill_value=None), "tensor value"),
+    ],
+)
+def test_non_compilable_writes_name_the_reason(write, reason):
+    p = _param("p", (4,), [write])
+    assert reason in compilable(p, {"x": ((4,), torch.float32)})
+    with pytest.raises(NotCompilable, match="p: "):
+        compile_param(p, {"x": ((4,), torch.float32)})
+
+
+def test_dtype_conversion_copies_match_torch(case):
+    """HF tensors in float32 into a bfloat16 parameter: the compiled copy rounds as copy_ does."""
+    specs, hf, (experts, _, _) = case
+    p = ParamPlan("bf16", experts.shape, torch.bfloat16, experts.numel * 2, experts.feeds, experts.writes)
+    got = torch.empty(p.numel, dtype=torch.bfloat16)
+    run_program(compile_param(p, specs), hf, got)
+    want = _replayed(experts, hf, 0, experts.numel).to(torch.bfloat16)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))

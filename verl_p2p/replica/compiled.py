@@ -1,0 +1,231 @@
+"""The compiled executor: a rollout rank's exact bytes from its HF tensors with plain torch copies.
+
+`CompiledReplica` wraps a `RankReplica` (the reference executor: SGLang's own `load_weights` per
+parameter) and serves the same interface push uses (`key`, `plan`, `stager`, `load`, `chunks`,
+`load_chunk`). Each parameter's recorded writes are compiled once (`program.py`) into batched strided
+copies and fills that run on the device holding the HF tensors: on a trainer GPU the conversion runs at
+copy speed, with no SGLang call and no Python call per expert. A parameter that cannot be compiled falls
+back to the reference executor (logged once, with the reason).
+
+When the destination is on another device (pinned host slots, CUDA HF tensors), the program runs into a
+scratch buffer on the tensors' device and the result is copied over once, contiguously. Copies are
+asynchronous on CUDA: the caller synchronizes before the bytes are read (push does, before each submit).
+
+`verify_next_push()` arms a byte-for-byte check of the next load of every parameter against the reference
+executor; the first difference raises `CompiledPlanMismatchError` naming the parameter and the rank.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Hashable, Mapping
+from typing import Any
+
+import torch
+
+from verl_p2p.errors import P2PError
+from verl_p2p.replica.plan import ParamPlan, WritePlan
+from verl_p2p.replica.program import CopyProgram, NotCompilable, compilable, compile_param
+from verl_p2p.replica.stream import CompletenessStager, ReplicaLoadError, _typed_view
+
+logger = logging.getLogger(__name__)
+
+EXECUTORS = ("compiled", "sglang")
+
+_LOGGED_FALLBACKS: set[tuple[Hashable, str]] = set()  # (replica key, param): each fallback is logged once
+
+
+class CompiledPlanMismatchError(P2PError):
+    """The compiled executor produced bytes that differ from SGLang's loader (the reference executor)."""
+
+
+class CompiledReplica:
+    """HF tensors -> one rollout rank's exact bytes by compiled copy programs; SGLang's loader where needed."""
+
+    def __init__(self, reference: Any, verify_first_push: bool = False) -> None:
+        self.reference = reference
+        self.key = reference.key
+        self.plan: WritePlan = reference.plan
+        self.programs: dict[tuple[str, int, int], CopyProgram] = {}
+        self.fallbacks: dict[str, str] = {}
+        for name, p in self.plan.params.items():
+            reason = compilable(p, self.plan.hf_specs)
+            if reason is not None:
+                self.fallbacks[name] = reason
+        self._verify_pending: set[str] = set()
+        self._verify_full: tuple[str, torch.Tensor] | None = None  # reference bytes of the param being chunked
+        self._log_fallbacks()
+        if verify_first_push:
+            self.verify_next_push()
+
+    # ------------------------------------------------------------------ the RankReplica interface
+    @property
+    def layout(self) -> Any:
+        return self.reference.layout
+
+    @property
+    def rank(self) -> int:
+        return self.reference.layout.tp_rank
+
+    def stager(self) -> CompletenessStager:
+        return self.reference.stager()
+
+    def chunks(self, param_name: str, max_bytes: int) -> list[tuple[int, int]]:
+        return self.reference.chunks(param_name, max_bytes)
+
+    def load(self, param_name: str, hf_tensors: Mapping[str, torch.Tensor], dst: torch.Tensor) -> None:
+        """Fill `dst` (1-D uint8, exactly the parameter's bytes) with what the rollout rank holds."""
+        p = self._plan(param_name)
+        _typed_view(dst, p.nbytes, p.dtype, param_name)
+        if param_name in self.fallbacks:
+            self.reference.load(param_name, hf_tensors, dst)  # SGLang's loader: nothing to verify against
+            self._verify_pending.discard(param_name)
+        else:
+            self._run(self._program(p, 0, p.numel), hf_tensors, dst)
+        if param_name in self._verify_pending:
+            self._verify(p, hf_tensors, 0, dst)
+
+    def load_chunk(
+        self, param_name: str, hf_tensors: Mapping[str, torch.Tensor], byte_offset: int, dst: torch.Tensor
+    ) -> None:
+        """Fill `dst` with bytes [byte_offset, byte_offset + dst.numel()) of the parameter."""
+        p = self._plan(param_name)
+        es = p.dtype.itemsize
+        if byte_offset % es or dst.numel() % es or byte_offset < 0 or byte_offset + dst.numel() > p.nbytes:
+            raise ReplicaLoadError(
+                f"{param_name}: chunk [{byte_offset}, +{dst.numel()}) is not element-aligned inside {p.nbytes} bytes"
+            )
+        if param_name in self.fallbacks:
+            self.reference.load_chunk(param_name, hf_tensors, byte_offset, dst)
+        else:
+            _typed_view(dst, dst.numel(), p.dtype, param_name)
+            start = byte_offset // es
+            self._run(self._program(p, start, start + dst.numel() // es), hf_tensors, dst)
+        if param_name in self._verify_pending:
+            self._verify(p, hf_tensors, byte_offset, dst)
+
+    # ------------------------------------------------------------------ verification
+    def verify_next_push(self) -> None:
+        """Check the next load of every parameter against the reference executor, byte for byte."""
+        self._verify_pending = set(self.plan.params)
+        self._verify_full = None
+
+    @property
+    def verifying(self) -> bool:
+        return bool(self._verify_pending)
+
+    def _verify(self, p: ParamPlan, hf_tensors: Mapping[str, torch.Tensor], byte_offset: int, dst: torch.Tensor):
+        if self._verify_full is None or self._verify_full[0] != p.name:
+            want = torch.empty(p.nbytes, dtype=torch.uint8, device=dst.device)
+            self.reference.load(p.name, hf_tensors, want)
+            self._verify_full = (p.name, want)
+        want = self._verify_full[1][byte_offset : byte_offset + dst.numel()]
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # the compiled copies (and a copy into pinned memory) are asynchronous
+        if not torch.equal(dst, want):
+            where = int((dst != want).nonzero()[0, 0]) + byte_offset
+            element = where // p.dtype.itemsize
+            path = "SGLang's loader (fallback)" if p.name in self.fallbacks else "the compiled program"
+            raise CompiledPlanMismatchError(
+                f"parameter {p.name} of rollout rank {self.rank}: {path} differs from SGLang's loader "
+                f"from byte {where} (element {element} of {p.numel}); nothing of it was sent. Set "
+                "engine_kwargs.p2p.executor=sglang to push through SGLang's loader, and report this layout"
+            )
+        if byte_offset + dst.numel() >= p.nbytes:
+            self._verify_pending.discard(p.name)
+            self._verify_full = None
+
+    # ------------------------------------------------------------------ compiled programs
+    def _plan(self, param_name: str) -> ParamPlan:
+        try:
+            return self.plan.params[param_name]
+        except KeyError:
+            raise ReplicaLoadError(f"{param_name} is not a parameter of rollout rank {self.rank}") from None
+
+    def program(self, param_name: str, start: int = 0, stop: int | None = None) -> CopyProgram:
+        """The compiled program for elements [start, stop) of a parameter (compiled once, then cached)."""
+        p = self._plan(param_name)
+        return self._program(p, start, p.numel if stop is None else stop)
+
+    def _program(self, p: ParamPlan, start: int, stop: int) -> CopyProgram:
+        key = (p.name, start, stop)
+        prog = self.programs.get(key)
+        if prog is None:
+            try:
+                prog = compile_param(p, self.plan.hf_specs, start, stop)
+            except NotCompilable as exc:  # compilable() passed: the geometry itself failed
+                raise ReplicaLoadError(f"cannot compile {exc}") from exc
+            self.programs[key] = prog
+        return prog
+
+    def _log_fallbacks(self) -> None:
+        new = {n: r for n, r in self.fallbacks.items() if (self.key, n) not in _LOGGED_FALLBACKS}
+        if not new:
+            return
+        _LOGGED_FALLBACKS.update((self.key, n) for n in new)
+        logger.warning(
+            "compiled executor: %d parameter(s) of rollout rank %s use SGLang's loader instead: %s",
+            len(new),
+            self.rank,
+            "; ".join(f"{n} ({r})" for n, r in new.items()),
+        )
+
+    def _run(self, prog: CopyProgram, hf_tensors: Mapping[str, torch.Tensor], dst: torch.Tensor) -> None:
+        feeds = self._feeds(prog, hf_tensors)
+        device = next(iter(feeds.values())).device if feeds else dst.device
+        if any(t.device != device for t in feeds.values()):
+            feeds = {n: t.to(device) for n, t in feeds.items()}
+        out = dst if dst.device == device else torch.empty(dst.numel(), dtype=torch.uint8, device=device)
+        with torch.no_grad():
+            run_program(prog, feeds, out.view(prog.dtype))
+            if out is not dst:
+                dst.copy_(out, non_blocking=dst.is_pinned() or dst.device.type == "cuda")
+
+    def _feeds(self, prog: CopyProgram, hf_tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        feeds = {}
+        specs = self.plan.hf_specs
+        for n in prog.hf_names:
+            t = hf_tensors.get(n)
+            if t is None:
+                raise ReplicaLoadError(f"{prog.param} needs HF tensor {n}, which was not given")
+            if tuple(t.shape) != tuple(specs[n][0]):
+                raise ReplicaLoadError(
+                    f"HF tensor {n} has shape {tuple(t.shape)}, the plan was built for {specs[n][0]}"
+                )
+            feeds[n] = t
+        for n in prog.strided_sources:
+            if not feeds[n].is_contiguous():
+                feeds[n] = feeds[n].contiguous()
+        return feeds
+
+
+def run_program(prog: CopyProgram, feeds: Mapping[str, torch.Tensor], out: torch.Tensor) -> None:
+    """Execute `prog` into `out` (1-D, the program's element range, the parameter's dtype)."""
+    base = out.storage_offset()
+    for b in prog.copies:
+        srcs = [feeds[n] for n in b.hf_names]
+        if b.src_offset is not None:
+            srcs = [t.as_strided(b.shape, b.src_stride, t.storage_offset() + b.src_offset) for t in srcs]
+        if b.dst_step is not None:
+            dsts = out.as_strided((len(srcs),) + b.shape, (b.dst_step,) + b.dst_stride, base + b.dst_offsets[0])
+            dsts = dsts.unbind(0)
+        else:
+            dsts = [out.as_strided(b.shape, b.dst_stride, base + o) for o in b.dst_offsets]
+        if len(srcs) == 1:
+            dsts[0].copy_(srcs[0])
+        else:
+            torch._foreach_copy_(list(dsts), srcs)
+    for f in prog.fills:
+        out.as_strided(f.shape, f.stride, base + f.offset).fill_(f.value)
+
+
+def make_executor(replica: Any, executor: str = "compiled", verify_first_push: bool = False) -> Any:
+    """The executor push uses for `replica`: the compiled one, or the RankReplica itself (`sglang`)."""
+    if executor == "sglang":
+        return replica
+    if executor == "compiled":
+        return CompiledReplica(replica, verify_first_push=verify_first_push)
+    raise ValueError(f"executor={executor!r}: choose one of {list(EXECUTORS)}")
+
+
+__all__ = ["EXECUTORS", "CompiledPlanMismatchError", "CompiledReplica", "make_executor", "run_program"]

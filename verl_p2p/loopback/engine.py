@@ -254,6 +254,9 @@ class LoopbackEngine:
         """Invert every bit of byte `index` of `param` on rank `rank`; returns (old, new) byte values."""
         return tuple(self._rank(rank).call("flip_byte", self.spec.rank_timeout_s, name=param, index=index))
 
+    def ranks_alive(self) -> list[bool]:
+        return [h.alive() for h in self._ranks]
+
     def kill_rank(self, rank: int) -> None:
         """SIGKILL rank `rank` and wait until it is gone (its bootstrap registration is removed)."""
         handle = self._rank(rank)

@@ -361,6 +361,7 @@ class SyncLifecycle:
             run.released = list(adapters)
             run.stop_on(await run.step("release_kv", adapters, lambda a: a.release_kv()))
         if self.checker is not None and self.checker.wants_arm:
+            run.reset = list(adapters)  # reset_tensors randomises weights: from here on, bytes have changed
             run.stop_on(await self._timed_check(run, "check_arm", self.checker.arm, adapters))
         run.begun = list(adapters)
         found = await run.step("begin", adapters, self._begin)
@@ -386,7 +387,13 @@ class SyncLifecycle:
             self._open_sessions.discard(adapter.engine)
 
     async def _restore_all(self, run: _Run, adapters: list[P2PReplicaAdapter]) -> None:
-        """After a failure before the push: each replica on its own (end, resume KV, resume unless stale)."""
+        """After a failure before the push: each replica on its own (end, resume KV, resume unless stale). A
+        replica the weights checker reset holds random weights: stale, like a failed push's."""
+        for adapter in run.reset:
+            self._stale[adapter.engine] = run.stale[adapter.engine] = (
+                "check_weight_update_equal randomised its weights (reset_tensors) and the sync failed before "
+                "rewriting them"
+            )
         t0 = time.perf_counter()
         chains = [
             self._restore_one(run, a, a in run.released, resume=a.engine not in self._stale)
@@ -435,7 +442,7 @@ class SyncLifecycle:
         except Exception as exc:
             unknown = _unknown_after(exc, connection)
             failures.append(ReplicaFailure("push", None, None, exc))
-            run.note_unknown(unknown, f"push failed: {_first_line(exc)}")
+            run.note_unknown(unknown, "push failed")
         finally:
             run.phases["push"] = time.perf_counter() - t0
         for attempt in range(1, self.config.p2p_push_retries + 1):
@@ -465,7 +472,7 @@ class SyncLifecycle:
                 again = _unknown_after(exc, retry)
                 unknown = (unknown - set(retry.targets)) | again
                 failures.append(ReplicaFailure(f"push retry {attempt}", None, None, exc))
-                run.note_unknown(again, f"push and {attempt} re-push(es) failed: {_first_line(exc)}")
+                run.note_unknown(again, f"push and {attempt} re-push(es) failed")
             finally:
                 run.phases[f"push_retry_{attempt}"] = time.perf_counter() - t0
         if unknown:
@@ -583,6 +590,7 @@ class _Run:
         self.cleanup: list[ReplicaFailure] = []
         self.released: list[P2PReplicaAdapter] = []
         self.begun: list[P2PReplicaAdapter] = []
+        self.reset: list[P2PReplicaAdapter] = []  # the weights checker's reset_tensors was sent to them
         self.begin_failed: set[int] = set()
         self.metrics: dict[str, Any] = {}
         self.connection: Connection | None = lifecycle._connection

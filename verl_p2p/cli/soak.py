@@ -141,6 +141,7 @@ class Soak:
         )
         self.lifecycle = SyncLifecycle([self._adapter(e) for e in self.tp], self.config, frees_kv=True)
         self.restarting: set[int] = set()
+        self.rejoined: list[dict] = []  # {"engine", "before_sync"}: restarted engines back in the rollout
         self.marks = {e: 0 for e in self.tp}
         self.faults: list[dict] = []
         self.unexpected: list[str] = []
@@ -232,6 +233,7 @@ class Soak:
                 self.marks[engine] = 0
                 self.lifecycle.add_adapters([self._adapter(engine)])
                 self.restarting.discard(engine)
+                self.rejoined.append({"engine": engine, "before_sync": len(self.samples) + 1})
                 self.log(f"[soak] engine {engine} restarted and rejoined")
 
     # ---- one sync --------------------------------------------------------------------------------------------
@@ -365,6 +367,8 @@ class Soak:
             "faults_as_predicted": sum(f["ok"] for f in self.faults),
             "faults_named_correctly": sum(f["named"] for f in self.faults),
             "stale_replicas_resumed": len(self.stale_served),
+            "stale_replicas_resumed_detail": self.stale_served,
+            "engines_rejoined": self.rejoined,  # each brings new rank sessions (Mooncake connections: fds)
             "violations": {v: self.violations.get(v, 0) for v in VIOLATIONS},
             "unexpected": self.unexpected,
             "resources": resources,

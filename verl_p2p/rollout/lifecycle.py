@@ -452,7 +452,10 @@ class SyncLifecycle:
             retry, found = await self._retry_connection(unknown)
             failures += found
             for failure in found:
-                run.reasons[failure.engine] = f"rank info re-read before re-push {attempt} failed: {failure.error}"
+                run.reasons[failure.engine] = (
+                    run.reasons.get(failure.engine, "its bytes are unknown after the push")
+                    + f"; its rank info could not be re-read for re-push {attempt}: {_first_line(failure.error)}"
+                )
             if retry is None:
                 break
             logger.warning(
@@ -493,7 +496,7 @@ class SyncLifecycle:
             if isinstance(r, BaseException)
         ]
         ok = {e for e, r in results.items() if not isinstance(r, BaseException)}
-        adapters = self.adapters
+        adapters = [a for a in self.adapters if a.engine in ok or a.engine in self._answers]
         every = [results[a.engine] if a.engine in ok else (self._answers[a.engine], False) for a in adapters]
         full, reconnected, found = self._assemble(adapters, every, step="reconnect")
         failures += found

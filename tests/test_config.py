@@ -11,6 +11,7 @@ def test_defaults_are_production():
     cfg = P2PConfig.from_mapping(None)
     assert (cfg.transport, cfg.protocol, cfg.pause_mode) == ("mooncake", "rdma", "abort")
     assert cfg.bucket_size_bytes == 512 << 20
+    assert cfg.p2p_push_retries == 1
 
 
 def test_unknown_key_lists_valid_keys():
@@ -31,6 +32,9 @@ def test_unknown_key_lists_valid_keys():
         ("bucket_size_mb", 1.5),
         ("check_weight_update_equal", "yes"),
         ("export_mode", "fast"),
+        ("p2p_push_retries", -1),
+        ("p2p_push_retries", 1.5),
+        ("p2p_push_retries", True),
     ],
 )
 def test_bad_values_name_key_and_choices(key, value):

@@ -12,14 +12,16 @@ parallel, so one that hangs (a frozen rank: its end waits out http_timeout) hold
 
 From the push on, replicas part ways. A replica is *stale* when its bytes or its cache are unknown: a target of
 it the push and its retries did not finish, or a later step (bump, end, compare, resume KV, flush) that failed
-on it. A stale replica is parked (its session ended and its KV resumed where possible, in the background) but
-NEVER resumed: real SGLang resumes generation whatever state its weights are in. It is named in the sync's
-SyncError and stays stale, paused, across syncs until a sync writes it completely and takes it through every
-step, which then resumes it. The others are versioned, flushed and resumed at once. A failed push is retried
-within the sync for the targets it left unknown, after re-reading their rank info (a restarted rank publishes
-a new session); the retry writes only those targets. SGLang flushes its prefix cache after the weight updates
-it performs itself, but one-sided writes bypass its loader: without the flush, prefixes cached with the old
-weights would be served after the sync.
+on it; also, when a sync fails before its push, every replica the weights checker reset (random weights). A
+stale replica is parked (its session ended and its KV resumed where possible, in the background) but NEVER
+resumed: real SGLang resumes generation whatever state its weights are in. It is named in the sync's SyncError
+and stays stale, paused, across syncs until a sync writes it completely and takes it through every step, which
+then resumes it. The others are versioned, flushed and resumed at once. A failed push is retried within the
+sync for the targets it left unknown, after re-reading their rank info (a restarted rank publishes a new
+session); the retry writes only those targets, and the others wait for it before they resume. SGLang flushes
+its prefix cache after the weight updates it performs itself, but one-sided writes bypass its loader: without
+the flush, prefixes cached with the old weights would be served after the sync. docs/failures.md has what each
+failure leaves behind.
 
 Connect is cached. Every sync re-reads each rank's transfer-engine info (one GET per rank, all in parallel,
 overlapped with abort..begin: the info is fixed for a server's lifetime) and compares a digest of the raw

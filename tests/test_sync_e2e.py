@@ -112,7 +112,7 @@ def assert_restored(engine, events, after: float) -> None:
     ], later
     state = engine.state()
     assert not state["paused"] and not state["session_open"] and state["released_tags"] == []
-    assert engine.violations() == []
+    assert [e["path"] for e in events if e["method"] == "LOOPBACK"] == []  # no violation
 
 
 def assert_parked(engine, events, version: str) -> None:
@@ -121,7 +121,7 @@ def assert_parked(engine, events, version: str) -> None:
     assert "/update_weight_version" not in [e["path"] for e in calls(events)]
     state = engine.state()
     assert state["paused"] and state["weight_version"] == version
-    assert engine.violations() == []
+    assert [e["path"] for e in events if e["method"] == "LOOPBACK"] == []  # no violation
 
 
 # -------------------------------------------------------------------------------------------------- tests

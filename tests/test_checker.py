@@ -62,9 +62,11 @@ def test_compare_failure_raises_naming_the_replica(fakes):
     text = str(info.value)
     assert f"compare failed on engine 1 ({servers[1].url})" in text
     assert "model.layers.0.mlp.weight: values differ from the snapshot" in text
-    assert "engine 0" not in text and "engine 2" not in text
-    for server in servers:
-        assert not (server.paused or server.kv_released or server.session_open)  # restored anyway
+    assert "engine 0 (" not in text and "engine 2 (" not in text
+    assert info.value.stale_engines == [1]  # its bytes differ from the checkpoint: never resumed
+    assert servers[1].paused and not (servers[1].kv_released or servers[1].session_open)
+    for server in (servers[0], servers[2]):
+        assert not (server.paused or server.kv_released or server.session_open)
 
 
 def test_server_message_of_a_mismatch_is_passed_on(fakes):
@@ -151,10 +153,12 @@ def test_arm_failure_stops_the_sync_and_never_rearms(fakes):
     servers = fakes(2)
     servers[1].fail("weights_checker", 400, {"success": False, "message": "snapshot: out of host memory"}, times=1)
     lifecycle = lifecycle_for(servers)
-    with pytest.raises(SyncError, match=r"check_arm: .*snapshot failed on engine 1 .*out of host memory"):
+    with pytest.raises(SyncError, match=r"check_arm: .*snapshot failed on engine 1 .*out of host memory") as info:
         asyncio.run(lifecycle.sync(1, writer(servers)))
     assert all(s.pushes == 0 and "begin_weight_update" not in s.calls for s in servers)
-    asyncio.run(lifecycle.sync(2, writer(servers)))  # no second snapshot of (possibly reset) weights
+    assert info.value.stale_engines == [0, 1] and all(s.paused for s in servers)  # engine 0 was reset: random
+    report = asyncio.run(lifecycle.sync(2, writer(servers)))  # no second snapshot of (possibly reset) weights
+    assert report.recovered_engines == [0, 1] and not any(s.paused for s in servers)
     assert lifecycle.checker.state == "failed"
     assert [b["action"] for b in servers[0].bodies["weights_checker"]] == ["snapshot", "reset_tensors"]
 

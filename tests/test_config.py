@@ -12,6 +12,7 @@ def test_defaults_are_production():
     assert (cfg.transport, cfg.protocol, cfg.pause_mode) == ("mooncake", "rdma", "abort")
     assert cfg.bucket_size_bytes == 512 << 20
     assert (cfg.executor, cfg.verify_first_push, cfg.staging) == ("compiled", False, "auto")
+    assert cfg.p2p_push_retries == 1
 
 
 def test_unknown_key_lists_valid_keys():
@@ -35,6 +36,9 @@ def test_unknown_key_lists_valid_keys():
         ("executor", "triton"),
         ("verify_first_push", "yes"),
         ("staging", "hbm"),
+        ("p2p_push_retries", -1),
+        ("p2p_push_retries", 1.5),
+        ("p2p_push_retries", True),
     ],
 )
 def test_bad_values_name_key_and_choices(key, value):

@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -29,7 +30,7 @@ from verl_p2p.backend import topology
 from verl_p2p.backend.engine import FOLLOWER, LEADER, TRAINER, P2PCheckpointEngine
 from verl_p2p.backend.roles import Role, Side
 from verl_p2p.backend.topology import Assignment, EngineMeta, SourceMeta
-from verl_p2p.errors import P2PConfigError, P2PError
+from verl_p2p.errors import P2PConfigError, P2PError, PushError, TransferError
 from verl_p2p.planning.targets import RemoteParam, RemoteRankInfo, TargetRank
 from verl_p2p.rollout.launch import BOOTSTRAP_PORT, MEMORY_SAVER, SEED_FLAG
 
@@ -306,11 +307,20 @@ def test_trainer_becomes_source_or_idle_from_its_assignment(trainer):
     assert trainer.role is Role.TRAINER_IDLE
 
 
-def test_trainer_push_failure_names_the_rank(trainer):
-    trainer.init_process_group(assignment=assignment(1, [TargetRank(0, 0)]))
+def test_trainer_push_failure_names_the_rank_and_the_targets_left_unknown(trainer):
+    """The error carries the targets whose bytes are unknown, for the driver to keep exactly those replicas
+    paused: those a writer failure names, else every target of the rank (it cannot tell which it wrote)."""
+    targets = [TargetRank(0, 0), TargetRank(1, 0), TargetRank(1, 1)]
+    trainer.init_process_group(assignment=assignment(1, targets))
     SourceSessionStandIn.fail_with = RuntimeError("peer 10.0.0.0:17000 gone")
-    with pytest.raises(P2PError, match=r"push to version 3 failed: trainer rank 0: RuntimeError: peer 10.0.0.0"):
+    with pytest.raises(PushError, match=r"push to version 3 failed: trainer rank 0: RuntimeError: peer 10.0.0.0") as e:
         asyncio.run(trainer.send_weights(None, global_steps=3))
+    assert e.value.unknown_targets == frozenset(targets)
+    SourceSessionStandIn.fail_with = TransferError("write to engine 1 rank 1 timed out", [TargetRank(1, 1)])
+    with pytest.raises(PushError, match="trainer rank 0: TransferError: write to engine 1 rank 1") as e:
+        asyncio.run(trainer.send_weights(None, global_steps=4))
+    assert e.value.unknown_targets == {TargetRank(1, 1)}
+    assert pickle.loads(pickle.dumps(e.value)).unknown_targets == {TargetRank(1, 1)}  # as Ray carries it
 
 
 def test_send_weights_before_a_plan_is_refused(trainer):
@@ -360,16 +370,19 @@ def test_rollout_leader_runs_its_part_of_the_sync(server):
     assert server.bootstrap_calls.count("get_transfer_engine_info") == 2  # straight from the bootstrap server
 
     engine.init_process_group(ack=published.digest)
+    server.write()  # stands for the trainer's push landing on this engine
     assert list(engine.receive_weights(global_steps=11)) == []
     engine.finalize()
     assert server.weight_version == "11" and not server.session_open
+    assert not server.cache_stale  # flushed in finalize: verl resumes generation right after it
 
     again = engine.prepare()["engine"]  # acknowledged: only the digest travels, rank info is not re-read
     assert again == EngineMeta(2, published.digest)
     assert server.bootstrap_calls.count("get_transfer_engine_info") == 2
     engine.receive_weights(global_steps=12)
     engine.finalize()
-    assert server.lifecycle_calls() == ["begin_weight_update", "update_weight_version", "end_weight_update"] * 2
+    sync = ["begin_weight_update", "push", "update_weight_version", "end_weight_update", "flush_cache"]
+    assert server.lifecycle_calls() == sync + [c for c in sync if c != "push"]
 
 
 def test_rollout_leader_closes_a_session_left_open_by_a_failed_sync(server, caplog):

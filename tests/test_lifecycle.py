@@ -10,6 +10,7 @@ import pytest
 from support.fake_sglang import FakeSGLang
 
 from verl_p2p.config import P2PConfig
+from verl_p2p.errors import TransferError
 from verl_p2p.planning.targets import TargetRank
 from verl_p2p.rollout.adapter import P2PReplicaAdapter
 from verl_p2p.rollout.lifecycle import Connection, SyncError, SyncLifecycle
@@ -22,9 +23,11 @@ FULL = [
     "update_weight_version",
     "end_weight_update",
     "resume_memory_occupation",
+    "flush_cache",
     "continue_generation",
 ]
 RESTORE = ["end_weight_update", "resume_memory_occupation", "continue_generation"]
+PARKED = ["end_weight_update", "resume_memory_occupation"]  # a stale replica: never continue_generation
 
 
 def adapters_for(servers, start: int = 0, **config) -> list[P2PReplicaAdapter]:
@@ -34,16 +37,37 @@ def adapters_for(servers, start: int = 0, **config) -> list[P2PReplicaAdapter]:
     ]
 
 
-def writer(servers: dict[int, FakeSGLang], seen: list | None = None, fail_on: int | None = None):
-    """The push: write every engine of the connection (the stand-in checks it is paused and in a session)."""
+def writer(
+    servers: dict[int, FakeSGLang],
+    seen: list | None = None,
+    fail_on: int | None = None,
+    times: int | None = None,
+    generic: bool = False,
+    on_fail=None,
+):
+    """The push: write every engine of the connection (the stand-in checks it is paused and in a session).
+
+    `fail_on`: that engine's writes fail in the first `times` pushes reaching it (None: every push). As the real
+    Writer does, every other target is still written and the error names the targets left unknown, or, with
+    `generic`, names none (then every target counts as unknown). `on_fail` runs when a push fails."""
+    left = [times]
 
     async def push(connection: Connection):
         if seen is not None:
             seen.append(connection)
+        failed = []
         for engine in connection.engines:
-            if engine == fail_on:
-                raise RuntimeError(f"write to engine {engine} failed: transfer returned -1")
+            if engine == fail_on and left[0] != 0:
+                failed = [t for t in connection.targets if t.engine == engine]
+                continue
             servers[engine].write()
+        if failed:
+            if left[0] is not None:
+                left[0] -= 1
+            if on_fail is not None:
+                on_fail()
+            text = f"write to engine {fail_on} failed: transfer returned -1"
+            raise RuntimeError(text) if generic else TransferError(text, unknown_targets=failed)
         return {"bytes": 123}
 
     return push
@@ -51,6 +75,13 @@ def writer(servers: dict[int, FakeSGLang], seen: list | None = None, fail_on: in
 
 def assert_restored(server: FakeSGLang):
     assert not (server.paused or server.kv_released or server.session_open), server.url
+    assert server.violations == [], server.violations
+
+
+def assert_parked(server: FakeSGLang, version: str):
+    """A stale replica: paused (never resumed), session ended, KV back, its version unchanged."""
+    assert server.paused and not server.kv_released and not server.session_open, server.url
+    assert server.weight_version == version and server.violations == []
 
 
 def test_order_three_replicas_in_parallel(fakes):
@@ -71,17 +102,74 @@ def test_order_three_replicas_in_parallel(fakes):
     assert report.phases["control_plane"] == pytest.approx(report.phases["total"] - report.phases["push"])
 
 
-def test_stand_in_refuses_out_of_order_calls(fakes):
+def test_stand_in_allows_what_sglang_allows_and_records_it(fakes):
+    """SGLang's continue_generation checks nothing: the stand-in resumes too, and records each violation."""
     (server,) = fakes(1)
     adapter = adapters_for([server])[0]
 
     async def out_of_order():
         await adapter.pause()
+        await adapter.release_kv()
         await adapter.begin_session()
-        await adapter.resume()  # generation inside an open session
+        server.write()
+        await adapter.resume()  # inside an open session, KV released, weights written since the last flush
 
-    with pytest.raises(Exception, match="out of order: continue_generation inside a weight-update session"):
-        asyncio.run(out_of_order())
+    asyncio.run(out_of_order())
+    assert not server.paused
+    assert server.violations == [
+        "resumed_with_kv_cache_released",
+        "resumed_inside_weight_update_session",
+        "served_stale_prefix_cache",
+    ]
+
+
+@pytest.mark.parametrize("frees_kv", [True, False])
+def test_flush_after_the_last_write_and_before_resume(fakes, frees_kv):
+    """Both KV modes flush the prefix cache after the push, the version and the end (post-load processing may
+    change weights), and before generation resumes; without the KV release nothing else empties the cache."""
+    servers = fakes(2)
+    lifecycle = SyncLifecycle(adapters_for(servers), frees_kv=frees_kv)
+    asyncio.run(lifecycle.sync(1, writer(dict(enumerate(servers)))))
+    for server in servers:
+        calls = server.lifecycle_calls()
+        assert calls == [c for c in FULL if frees_kv or "memory_occupation" not in c]
+        flush = calls.index("flush_cache")
+        assert max(calls.index(c) for c in ("push", "update_weight_version", "end_weight_update")) < flush
+        assert flush == calls.index("continue_generation") - 1
+        assert_restored(server)  # no "served_stale_prefix_cache"
+
+
+def test_flush_is_retried_while_busy_and_a_replica_never_flushed_stays_paused(fakes):
+    """SGLang answers /flush_cache with 400 while requests still run or wait: retried within http_timeout. A
+    replica whose cache never flushes has new weights but a stale cache: it stays paused, named, until the next
+    sync flushes it."""
+    servers = fakes(2)
+    busy = b"Cache not flushed because there are pending requests. #queue-req: 0, #running-req: 1"
+    servers[0].fail("flush_cache", 400, busy, times=3)
+    lifecycle = SyncLifecycle(adapters_for(servers, http_timeout=2.0), frees_kv=False)
+    push = writer(dict(enumerate(servers)))
+    asyncio.run(lifecycle.sync(1, push))
+    assert servers[0].calls.count("flush_cache") == 4 and servers[1].calls.count("flush_cache") == 1
+    assert_restored(servers[0])
+
+    servers[1].fail("flush_cache", 400, busy)  # never succeeds
+    start = time.monotonic()
+    with pytest.raises(SyncError) as info:
+        asyncio.run(lifecycle.sync(2, push))
+    assert 1.0 <= time.monotonic() - start < 5.0  # retried until http_timeout (2 s) would have passed
+    error = info.value
+    print(error)
+    assert [(f.step, f.engine) for f in error.failures] == [("flush_cache", 1)]
+    assert "cache still not flushed after" in str(error) and "pending requests" in str(error)
+    assert "pause_mode=abort" in str(error)  # the hint: retracted requests block the flush on SGLang < 0.5.23
+    assert error.stale_engines == [1] and "flush_cache failed" in error.stale[0].reason
+    assert servers[1].paused and servers[1].weight_version == "2" and servers[1].violations == []
+    assert_restored(servers[0])
+
+    del servers[1].injected["flush_cache"]
+    report = asyncio.run(lifecycle.sync(3, push))
+    assert report.recovered_engines == [1] and lifecycle.stale == {}
+    assert_restored(servers[1])
 
 
 def test_retract_mode_and_no_kv_release(fakes):
@@ -110,30 +198,89 @@ def test_begin_failure_ends_other_sessions_and_resumes_everything(fakes):
         assert_restored(server)
 
 
-def test_push_failure_never_bumps_and_restores_everywhere(fakes):
-    servers = fakes(3)
+def test_push_failure_leaves_only_the_unknown_replica_paused_until_rewritten(fakes):
+    """Engine 2's writes fail (the others got every byte): its rank info is re-read and it alone is re-pushed
+    (p2p_push_retries=1), which fails too. Engines 0 and 1 are versioned, flushed and resumed; engine 2 stays
+    paused, its version unchanged, named stale in the error. The next sync rewrites it and only then resumes it."""
+    servers = fakes(3, tp_size=2)
+    by_engine = dict(enumerate(servers))
     lifecycle = SyncLifecycle(adapters_for(servers))
+    seen: list[Connection] = []
     with pytest.raises(SyncError) as info:
-        asyncio.run(lifecycle.sync(3, writer(dict(enumerate(servers)), fail_on=2)))
-    assert [(f.step, f.engine) for f in info.value.failures] == [("push", None)]
-    assert "failed at push: write to engine 2 failed" in str(info.value)
-    for i, server in enumerate(servers):
-        assert "update_weight_version" not in server.calls
-        assert server.lifecycle_calls() == FULL[:3] + (["push"] if i < 2 else []) + RESTORE
+        asyncio.run(lifecycle.sync(3, writer(by_engine, seen, fail_on=2)))
+    error = info.value
+    print(error)
+    assert [(f.step, f.engine) for f in error.failures] == [("push", None), ("push retry 1", None)]
+    assert str(error).startswith("weight sync to version '3' failed at push: write to engine 2 failed")
+    assert f"stale replicas, paused until a sync rewrites them: engine 2 ({servers[2].url})" in str(error)
+    assert error.stale_engines == [2]
+    assert error.stale[0].reason == "rank(s) [0, 1] not fully written (push and 1 re-push(es) failed)"
+    assert error.cleanup == []
+    full, retry = seen
+    assert not full.partial and retry.partial and retry.generation > full.generation
+    assert retry.targets == [TargetRank(2, 0), TargetRank(2, 1)] and retry.engines == [2]
+    # the retry re-read engine 2's rank info (2 ranks), and only engine 2's
+    assert [s.bootstrap_calls.count("get_transfer_engine_info") for s in servers] == [2, 2, 4]
+    for server in servers[:2]:
+        assert server.lifecycle_calls() == FULL and server.weight_version == "3"
+        assert_restored(server)
+    assert servers[2].lifecycle_calls() == FULL[:3] + PARKED
+    assert_parked(servers[2], "default")
+    assert list(lifecycle.stale) == [2]
+
+    report = asyncio.run(lifecycle.sync(4, writer(by_engine, seen)))
+    assert report.recovered_engines == [2] and lifecycle.stale == {} and report.retried_targets == []
+    assert not seen[-1].partial and len(seen[-1].targets) == 6
+    for server in servers:
+        assert server.lifecycle_calls()[-len(FULL) :] == FULL and server.weight_version == "4"
         assert_restored(server)
 
 
+def test_transient_push_failure_is_repushed_in_the_same_sync_with_fresh_rank_info(fakes):
+    """The first push fails on engine 1 and its rank 0 meanwhile publishes a new session (a restarted transfer
+    engine): the re-push reads it and writes engine 1 with it; the sync succeeds and the next one keeps it."""
+    servers = fakes(2, tp_size=2)
+    by_engine = dict(enumerate(servers))
+    lifecycle = SyncLifecycle(adapters_for(servers))
+    seen: list[Connection] = []
+
+    def restart() -> None:
+        servers[1].set_session_id(0, "127.0.0.1:19000")
+
+    report = asyncio.run(lifecycle.sync(1, writer(by_engine, seen, fail_on=1, times=1, on_fail=restart)))
+    assert report.retried_targets == [TargetRank(1, 0), TargetRank(1, 1)] and "push_retry_1" in report.phases
+    assert seen[1].partial and seen[1].rank_infos[TargetRank(1, 0)].session_id == "127.0.0.1:19000"
+    for server in servers:
+        assert server.lifecycle_calls() == FULL and server.weight_version == "1"
+        assert_restored(server)
+
+    report = asyncio.run(lifecycle.sync(2, writer(by_engine, seen)))
+    assert not report.reconnected and not seen[-1].partial and len(seen[-1].targets) == 4
+    assert seen[-1].rank_infos[TargetRank(1, 0)].session_id == "127.0.0.1:19000"
+
+
+def test_a_push_error_naming_no_target_leaves_every_replica_paused(fakes):
+    """An error that does not say which targets it left unknown (an export failure, say): every replica's
+    bytes are unknown, so none is resumed; p2p_push_retries=0 pushes once."""
+    servers = fakes(2)
+    lifecycle = SyncLifecycle(adapters_for(servers), P2PConfig(p2p_push_retries=0))
+    with pytest.raises(SyncError) as info:
+        asyncio.run(lifecycle.sync(1, writer(dict(enumerate(servers)), fail_on=1, generic=True)))
+    assert [(f.step, f.engine) for f in info.value.failures] == [("push", None)]
+    assert info.value.stale_engines == [0, 1]
+    assert servers[0].lifecycle_calls() == FULL[:4] + PARKED  # it was written, then the push failed
+    assert servers[1].lifecycle_calls() == FULL[:3] + PARKED
+    for server in servers:
+        assert_parked(server, "default")
+
+
 def test_after_a_failure_a_hanging_replica_does_not_hold_back_the_others(fakes):
-    """Once the push failed, each replica is restored on its own: engine 2's end hangs past http_timeout (as
-    on a frozen rank), engines 0 and 1 are already generating again long before it gives up."""
+    """Once the push failed on engine 2 it is parked on its own: its end hangs past http_timeout (as on a frozen
+    rank) while engines 0 and 1 are versioned, flushed and generating again long before it gives up."""
     servers = fakes(3)
     servers[2].delay("end_weight_update", 3.0)
-    lifecycle = SyncLifecycle(adapters_for(servers, http_timeout=1.0))
+    lifecycle = SyncLifecycle(adapters_for(servers, http_timeout=1.0), P2PConfig(p2p_push_retries=0))
     failed_at, resumed_at = [], {}
-
-    async def push(connection):
-        failed_at.append(time.monotonic())
-        raise RuntimeError("write to engine 2 timed out")
 
     def watch():
         while len(resumed_at) < 2 and time.monotonic() < deadline:
@@ -145,15 +292,17 @@ def test_after_a_failure_a_hanging_replica_does_not_hold_back_the_others(fakes):
     deadline = time.monotonic() + 10
     watcher = threading.Thread(target=watch)
     watcher.start()
+    push = writer(dict(enumerate(servers)), fail_on=2, on_fail=lambda: failed_at.append(time.monotonic()))
     with pytest.raises(SyncError) as info:
         asyncio.run(lifecycle.sync(1, push))
     watcher.join()
-    assert [(f.step, f.engine) for f in info.value.cleanup] == [("end", 2), ("resume", 2)]
-    assert "no answer within 1 s" in str(info.value.cleanup[0])
+    assert [(f.step, f.engine) for f in info.value.cleanup] == [("end", 2)]  # never resumed: stale
+    assert "no answer within 1 s" in str(info.value.cleanup[0]) and info.value.stale_engines == [2]
     assert sorted(resumed_at) == [0, 1] and max(resumed_at.values()) - failed_at[0] < 0.5, resumed_at
     for server in servers[:2]:
-        assert server.lifecycle_calls() == FULL[:3] + RESTORE
+        assert server.lifecycle_calls() == FULL and server.weight_version == "1"
         assert_restored(server)
+    assert servers[2].paused and servers[2].weight_version == "default" and servers[2].violations == []
 
 
 def test_abort_failure_touches_nothing_else(fakes):
@@ -167,26 +316,31 @@ def test_abort_failure_touches_nothing_else(fakes):
         assert_restored(server)
 
 
-def test_bump_and_end_failures_are_reported_and_restore_runs(fakes):
+def test_bump_and_end_failures_leave_that_replica_paused(fakes):
+    """A step after the push that fails on one replica (bump: its version would not name its weights; end:
+    post-load processing may not have run) leaves that replica stale and paused; the others resume. The next
+    sync rewrites it and resumes it."""
     servers = fakes(2)
     servers[1].fail("update_weight_version", 400, {"success": False, "message": "version rejected"}, times=1)
     lifecycle = SyncLifecycle(adapters_for(servers))
     push = writer(dict(enumerate(servers)))
-    with pytest.raises(SyncError, match="failed at bump_version: bump_version on engine 1 .*version rejected"):
+    with pytest.raises(SyncError, match="failed at bump_version: bump_version on engine 1 .*version rejected") as info:
         asyncio.run(lifecycle.sync(1, push))
-    for server in servers:
-        assert server.lifecycle_calls()[-3:] == RESTORE
-        assert_restored(server)
+    assert info.value.stale_engines == [1] and info.value.stale[0].reason.startswith("bump_version failed")
+    assert servers[0].lifecycle_calls() == FULL and servers[0].weight_version == "1"
+    assert_restored(servers[0])
+    assert servers[1].lifecycle_calls() == FULL[:5] + PARKED
+    assert_parked(servers[1], "default")
+
     servers[0].fail("end_weight_update", 400, {"success": False, "message": "post_load_weights failed"}, times=1)
     with pytest.raises(SyncError) as info:
         asyncio.run(lifecycle.sync(2, push))
     assert "failed at end: end on engine 0" in str(info.value) and "post_load_weights failed" in str(info.value)
-    # the injected failure left the stand-in's session open, so it refuses to resume: reported, not hidden
-    assert [(f.step, f.engine) for f in info.value.cleanup] == [("resume", 0)]
-    assert "while restoring: resume on engine 0" in str(info.value)
-    assert all(s.weight_version == "2" for s in servers)
-    assert_restored(servers[1])
-    assert servers[0].lifecycle_calls()[-3:] == RESTORE and not servers[0].kv_released
+    assert info.value.stale_engines == [0] and info.value.cleanup == []  # parking ended its session on retry
+    assert_parked(servers[0], "2")  # bumped before the end failed; still paused
+    assert servers[1].weight_version == "2"
+    assert_restored(servers[1])  # rewritten and resumed
+    assert list(lifecycle.stale) == [0]
 
 
 def test_old_servers_without_sessions(fakes):
@@ -310,3 +464,24 @@ def test_connect_alone(fakes):
     with pytest.raises(SyncError, match=r"^rollout failed at connect: connect on engine 0 .*rank 1"):
         asyncio.run(lifecycle.connect())
     assert all(s.lifecycle_calls() == [] for s in servers)  # connect alone changes no state
+
+
+def test_a_sync_failing_after_the_checker_reset_the_weights_resumes_nothing(fakes):
+    """check_weight_update_equal randomises every replica's weights (reset_tensors) before the first push: a sync
+    that fails after that (a begin, here) leaves them all stale and paused; the next sync writes and compares."""
+    servers = fakes(2)
+    servers[1].fail("begin_weight_update", 400, {"success": False, "message": "busy"}, times=1)
+    lifecycle = SyncLifecycle(adapters_for(servers), P2PConfig(check_weight_update_equal=True))
+    push = writer(dict(enumerate(servers)))
+    with pytest.raises(SyncError) as info:
+        asyncio.run(lifecycle.sync(1, push))
+    assert [(f.step, f.engine) for f in info.value.failures] == [("begin", 1)]
+    assert info.value.stale_engines == [0, 1] and "reset_tensors" in info.value.stale[0].reason
+    for server in servers:
+        assert server.checker == "reset" and "continue_generation" not in server.lifecycle_calls()
+        assert_parked(server, "default")
+    report = asyncio.run(lifecycle.sync(2, push))
+    assert report.recovered_engines == [0, 1] and "check_compare" in report.phases
+    for server in servers:
+        assert server.checker == "compared"
+        assert_restored(server)

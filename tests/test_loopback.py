@@ -24,6 +24,7 @@ from verl_p2p.sandbox.tiny import write_tiny_checkpoint
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 API_KEY = "loopback-test-key"
+RANK_READ = "/remote_instance_transfer_engine_info"
 
 
 def running(pid: int) -> bool:
@@ -246,7 +247,10 @@ def test_mooncake_write_lands_in_the_rank(engine, http, mooncake):
 
 
 @pytest.mark.slow
-def test_lifecycle_refuses_out_of_order_calls(engine, http):
+def test_lifecycle_refuses_what_sglang_refuses_and_records_what_it_allows(engine, http, mooncake):
+    """Out-of-order calls SGLang refuses are refused; continue_generation, which SGLang never refuses, resumes and
+    records each violation: inside an open session, with the KV cache released, with a prefix cache computed
+    from weights written since its last flush (one-sided writes do not flush; a flush or a KV release does)."""
     since = len(engine.events())
 
     def post(path, body=None):
@@ -262,39 +266,79 @@ def test_lifecycle_refuses_out_of_order_calls(engine, http):
     assert post("/release_memory_occupation", {"tags": ["kv_cache"]}).status_code == 200
     assert post("/begin_weight_update", {"selector": "all"}).json()["success"] is True
     assert "already open" in post("/begin_weight_update", {"selector": "all"}).json()["message"]
-    assert post("/continue_generation").status_code == 400  # session still open
+    assert post("/continue_generation").status_code == 200  # session open, KV released: SGLang resumes anyway
+    assert post("/pause_generation", {"mode": "abort"}).status_code == 200
     assert post("/update_weight_version", {"new_version": "7", "abort_all_requests": False}).json()["success"]
     assert post("/end_weight_update").json()["success"] is True
-    assert "KV cache is released" in post("/continue_generation").json()["error"]["message"]
     assert post("/resume_memory_occupation", {"tags": ["kv_cache"]}).status_code == 200
     assert post("/resume_memory_occupation", {"tags": ["kv_cache"]}).status_code == 400  # nothing released
+    name = sorted(engine.dump(1))[0]
+    original = engine.dump(1)[name]
+    write_params(mooncake, rank_info(engine, http, 1), {name: original + 1})  # a one-sided write
+    assert post("/continue_generation").status_code == 200  # no flush since: stale prefix cache served
+    assert post("/pause_generation", {"mode": "abort"}).status_code == 200
     assert post("/flush_cache").status_code == 200
-    assert post("/continue_generation").json()["status"] == "ok"
+    assert post("/continue_generation").json()["status"] == "ok"  # flushed: nothing to record
     assert http.get(f"{engine.url}/model_info").json()["weight_version"] == "7"
     assert http.get(f"{engine.url}/weight_version").status_code == 404  # as SGLang >= 0.5.12: read /model_info
 
     events = engine.events(since)
-    assert [(e["path"], e["status"]) for e in events] == [
-        ("/end_weight_update", 400),
-        ("/begin_weight_update", 400),
-        ("/pause_generation", 200),
-        ("/release_memory_occupation", 200),
-        ("/begin_weight_update", 200),
-        ("/begin_weight_update", 400),
-        ("/continue_generation", 400),
-        ("/update_weight_version", 200),
-        ("/end_weight_update", 200),
-        ("/continue_generation", 400),
-        ("/resume_memory_occupation", 200),
-        ("/resume_memory_occupation", 400),
-        ("/flush_cache", 200),
-        ("/continue_generation", 200),
-        ("/model_info", 200),
-        ("/weight_version", 404),
+    assert [(e["method"], e["path"], e["status"]) for e in events if e["path"] != RANK_READ] == [
+        ("POST", "/end_weight_update", 400),
+        ("POST", "/begin_weight_update", 400),
+        ("POST", "/pause_generation", 200),
+        ("POST", "/release_memory_occupation", 200),
+        ("POST", "/begin_weight_update", 200),
+        ("POST", "/begin_weight_update", 400),
+        ("POST", "/continue_generation", 200),
+        ("LOOPBACK", "resumed_inside_weight_update_session", 200),
+        ("LOOPBACK", "resumed_with_kv_cache_released", 200),
+        ("POST", "/pause_generation", 200),
+        ("POST", "/update_weight_version", 200),
+        ("POST", "/end_weight_update", 200),
+        ("POST", "/resume_memory_occupation", 200),
+        ("POST", "/resume_memory_occupation", 400),
+        ("POST", "/continue_generation", 200),
+        ("LOOPBACK", "served_stale_prefix_cache", 200),
+        ("POST", "/pause_generation", 200),
+        ("POST", "/flush_cache", 200),
+        ("POST", "/continue_generation", 200),
+        ("GET", "/model_info", 200),
+        ("GET", "/weight_version", 404),
     ]
-    assert events[4]["state"]["session_open"] and events[8]["state"]["weight_version"] == "7"
+    stale = engine.violations(since)[-1]
+    assert "rank(s) [1] changed since the cache was last flushed" in stale["message"]
+    assert events[4]["state"]["session_open"] and events[10]["state"]["weight_version"] == "7"
     over_http = http.get(f"{engine.url}/loopback/events", params={"since": since}).json()["events"]
     assert [e["seq"] for e in over_http] == [e["seq"] for e in events]
+    write_params(mooncake, rank_info(engine, http, 1), {name: original})  # put it back
+
+
+@pytest.mark.slow
+def test_fault_injection_answers_canned_errors_and_holds_calls(engine, http):
+    """The test/soak facility: canned HTTP errors for the next N calls of a route, recorded as injected; held
+    calls are served after the delay."""
+    since = len(engine.events())
+    engine.faults.fail("/pause_generation", 500, "scheduler died", times=2)
+    engine.faults.fail("/flush_cache", 400, "Cache not flushed because there are pending requests")
+    engine.faults.slow("/continue_generation", 0.5)
+    assert http.post(f"{engine.url}/pause_generation", json={"mode": "abort"}).status_code == 500
+    answer = http.post(f"{engine.url}/pause_generation", json={"mode": "abort"})
+    assert answer.status_code == 500 and answer.json() == {"error": {"message": "scheduler died"}}
+    assert http.post(f"{engine.url}/pause_generation", json={"mode": "abort"}).status_code == 200
+    assert http.post(f"{engine.url}/flush_cache").status_code == 400
+    assert http.post(f"{engine.url}/flush_cache").status_code == 200
+    start = time.monotonic()
+    assert http.post(f"{engine.url}/continue_generation", json={}).status_code == 200
+    assert time.monotonic() - start >= 0.5 and engine.faults.armed() == []
+    assert [(e["path"], e["status"], e["message"]) for e in engine.events(since)] == [
+        ("/pause_generation", 500, "injected fault: scheduler died"),
+        ("/pause_generation", 500, "injected fault: scheduler died"),
+        ("/pause_generation", 200, "paused"),
+        ("/flush_cache", 400, "injected fault: Cache not flushed because there are pending requests"),
+        ("/flush_cache", 200, "flushed"),
+        ("/continue_generation", 200, "continued"),
+    ]
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ workers and the loopback rollout covers those parts.
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 
 import pytest
@@ -19,17 +20,29 @@ from verl.workers.config import CheckpointEngineConfig
 
 from verl_p2p.backend.manager import P2PCheckpointEngineManager
 from verl_p2p.backend.roles import TrainerIdentity
-from verl_p2p.errors import P2PConfigError, P2PError
+from verl_p2p.errors import P2PConfigError, P2PError, PushError
 from verl_p2p.planning.targets import TargetRank
 from verl_p2p.rollout.launch import BOOTSTRAP_PORT, MEMORY_SAVER, SEED_FLAG
+from verl_p2p.rollout.lifecycle import SyncError
 
-SYNC = ["pause_generation", "begin_weight_update", "update_weight_version", "end_weight_update", "continue_generation"]
+SYNC = [
+    "pause_generation",
+    "begin_weight_update",
+    "push",
+    "update_weight_version",
+    "end_weight_update",
+    "flush_cache",
+    "continue_generation",
+]
+PARKED = ["pause_generation", "begin_weight_update", "end_weight_update"]  # stale: never continue_generation
 
 
 class SourceSessionStandIn:
-    """Stand-in for verl_p2p.trainer.source.SourceSession: records plans, 'pushes' by counting targets."""
+    """Stand-in for verl_p2p.trainer.source.SourceSession: records plans, 'pushes' by writing the stand-in servers
+    of its targets (`FakeSGLang.write`, once per engine per push) and counting them."""
 
     fail_with: Exception | None = None
+    servers: dict = {}  # engine -> FakeSGLang
 
     def __init__(self, config, owner, hostname=None, checkpoint_engine=None):
         self.applied = []
@@ -41,6 +54,8 @@ class SourceSessionStandIn:
         if self.fail_with is not None:
             raise self.fail_with
         targets = self.applied[-1].targets
+        for engine in sorted({t.engine for t in targets}):
+            self.servers[engine].write()
         return {"bytes": 100.0 * len(targets), "num_targets": float(len(targets)), "seconds/total": 0.1}
 
 
@@ -66,7 +81,19 @@ class ActorGroupStandIn:
     def update_weights(self, global_steps=None, mode="auto"):
         assert mode == "p2p"
         self.calls.append("update_weights")
-        return [engine.send_weights(None, global_steps=global_steps) for engine in self.engines]
+        return [self._push_all(global_steps)]
+
+    async def _push_all(self, global_steps):
+        """Every rank pushes; an error is raised as ray.get raises one. Real ranks gather each other's outcome over
+        a process group and all raise with every rank's unknown targets: without one here, this forms the union."""
+        outcomes = await asyncio.gather(
+            *(e.send_weights(None, global_steps=global_steps) for e in self.engines), return_exceptions=True
+        )
+        errors = [o for o in outcomes if isinstance(o, BaseException)]
+        if errors:
+            unknown = {t for e in errors for t in getattr(e, "unknown_targets", None) or ()}
+            raise PushError(str(errors[0]), unknown_targets=unknown) from errors[0]
+        return outcomes[0]
 
 
 class ReplicaStandIn:
@@ -92,12 +119,19 @@ def fakes():
 def setup(fakes, monkeypatch):
     monkeypatch.setattr("verl_p2p.trainer.source.SourceSession", SourceSessionStandIn)
     monkeypatch.setattr(SourceSessionStandIn, "fail_with", None)
+    monkeypatch.setattr(SourceSessionStandIn, "servers", dict(enumerate(fakes)))
     actors = ActorGroupStandIn(world_size=2)
     config = CheckpointEngineConfig(backend="p2p", engine_kwargs={"p2p": {"http_timeout": 10}})
     replicas = [ReplicaStandIn(i, f) for i, f in enumerate(fakes[:2])]
     manager = P2PCheckpointEngineManager(config=config, actor_wg=actors, replicas=list(replicas))
     yield manager, actors, replicas
     manager.close()
+
+
+def lifecycle(fake: FakeSGLang) -> list[str]:
+    """The server's state-changing calls, the writes of several trainer ranks in a row counted as one push."""
+    calls = fake.lifecycle_calls()
+    return [c for i, c in enumerate(calls) if not (c == "push" and i and calls[i - 1] == "push")]
 
 
 def targets_of(actors) -> list[TargetRank]:
@@ -108,7 +142,7 @@ def test_first_sync_connects_then_only_pushes(setup, fakes):
     manager, actors, _ = setup
     metrics = manager.update_weights(global_steps=1)
     for fake in fakes[:2]:
-        assert fake.lifecycle_calls() == SYNC
+        assert lifecycle(fake) == SYNC
         assert fake.weight_version == "1"
     assert actors.calls == ["prepare", "init_process_group", "update_weights"]
     assert targets_of(actors) == [TargetRank(e, r) for e in (0, 1) for r in (0, 1)]
@@ -144,20 +178,41 @@ def test_add_and_remove_replicas_reconnect_only_what_changed(setup, fakes):
     assert {t.engine for t in targets_of(actors)} == {1, 2}
 
 
-def test_failed_push_restores_generation_and_never_bumps_the_version(setup, fakes):
+def test_flushes_before_resuming_though_it_keeps_the_kv_cache(setup, fakes):
+    """The driver path keeps the KV cache (no release, so nothing else empties the prefix cache): it flushes
+    after the last write and the end, before resuming; no stale prefix is ever served."""
     manager, _, _ = setup
+    for step in (1, 2):
+        manager.update_weights(global_steps=step)
+        for fake in fakes[:2]:
+            calls = lifecycle(fake)[-len(SYNC) :]
+            assert calls == SYNC and fake.violations == [] and not fake.paused
+
+
+def test_failed_push_leaves_the_replicas_paused_until_a_sync_rewrites_them(setup, fakes):
+    """A push error from every trainer rank (not one naming targets): every replica's bytes are unknown, so none
+    is resumed and none is versioned; each is named stale. The failed targets are re-pushed once
+    (p2p_push_retries=1: a re-plan round plus the push). The next sync rewrites and resumes them."""
+    manager, actors, _ = setup
     manager.update_weights(global_steps=1)
     SourceSessionStandIn.fail_with = RuntimeError("write to 10.0.0.1:17000 timed out")
-    with pytest.raises(P2PError, match="timed out"):
+    calls = len(actors.calls)
+    with pytest.raises(SyncError) as info:
         manager.update_weights(global_steps=2)
+    error = info.value
+    assert "timed out" in str(error) and isinstance(error, P2PError)
+    assert [f.step for f in error.failures] == ["push", "push retry 1"] and error.stale_engines == [0, 1]
+    assert actors.calls[calls:] == ["update_weights", "init_process_group", "update_weights"]
     for fake in fakes[:2]:
-        assert fake.lifecycle_calls()[len(SYNC) :] == [
-            "pause_generation",
-            "begin_weight_update",
-            "end_weight_update",
-            "continue_generation",
-        ]
-        assert fake.weight_version == "1" and not fake.paused and not fake.session_open
+        assert lifecycle(fake)[len(SYNC) :] == PARKED
+        assert fake.weight_version == "1" and fake.paused and not fake.session_open and fake.violations == []
+
+    SourceSessionStandIn.fail_with = None
+    manager.update_weights(global_steps=3)
+    for fake in fakes[:2]:
+        assert lifecycle(fake)[-len(SYNC) :] == SYNC
+        assert fake.weight_version == "3" and not fake.paused and fake.violations == []
+    assert targets_of(actors) == [TargetRank(e, r) for e in (0, 1) for r in (0, 1)]  # the full plan again
 
 
 def test_refuses_a_rollout_that_does_not_publish(setup, fakes):

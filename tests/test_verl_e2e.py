@@ -227,7 +227,8 @@ def lifecycle(events: list[dict]) -> list[str]:
 
 def expected_sync(step: int, sessions: bool, first: bool, *, kv: bool, check: bool, flush: bool) -> list[str]:
     """The calls one sync makes on one engine. Without sessions (SGLang < 0.5.22) a client's first begin answers
-    404 and no end follows; later syncs of that client skip both."""
+    404 and no end follows; later syncs of that client skip both. `flush`: verl's own ServerAdapter flush (the
+    stock path), which may run before the writes land; p2p's own flush always follows the last write and the end."""
     calls = ["pause_generation[abort]"]
     calls += ["release_memory_occupation[kv_cache]"] if kv else []
     calls += ["weights_checker[snapshot]", "weights_checker[reset_tensors]"] if check else []
@@ -236,6 +237,7 @@ def expected_sync(step: int, sessions: bool, first: bool, *, kv: bool, check: bo
     calls += [f"update_weight_version[{step}]"]
     calls += ["end_weight_update"] if sessions else []
     calls += ["weights_checker[compare]"] if check else []  # bitwise: every parameter and buffer restored
+    calls += ["flush_cache"]  # p2p's: after the last write and the end, before generation resumes
     calls += ["resume_memory_occupation[kv_cache]", "flush_cache"] if kv else []
     return calls + ["continue_generation"]
 
@@ -392,8 +394,10 @@ def test_p2p_manager_syncs_reuses_and_adds_a_replica(world):
 
 def test_loopback_answers_were_all_successful(world):
     """No control-plane call was refused (out of order) by the loopback engines, except begin on engines
-    imitating a release without sessions."""
+    imitating a release without sessions; no engine recorded a violation (a stale prefix cache served, generation
+    resumed inside a session or with its KV cache released) on either manager path."""
     for e in range(2):
+        assert world.engines[e].violations() == []
         refused = [
             (x["path"], x["status"], x["message"])
             for x in world.events(e, [0, 0])

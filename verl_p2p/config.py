@@ -33,6 +33,7 @@ class P2PConfig:
     hostname: str | None = None  # address the rollout reaches this source at; None: the node IP
     p2p_transfer_num_workers: int = 8  # write threads per source (at most one per target engine is used)
     p2p_transfer_timeout: float = 60.0  # seconds one target's write may take before the push fails
+    p2p_push_retries: int = 1  # re-pushes of failed targets within one sync (rank info re-read first); 0: none
     bucket_size_mb: int = 512  # one transfer-buffer slot; two slots per source
     pause_mode: str = "abort"
     http_timeout: float = 60.0  # seconds per control-plane call
@@ -81,6 +82,9 @@ class P2PConfig:
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 errors.append(f"{key}={value!r} (a positive integer)")
+        retries = self.p2p_push_retries
+        if not isinstance(retries, int) or isinstance(retries, bool) or retries < 0:
+            errors.append(f"p2p_push_retries={retries!r} (a non-negative integer)")
         for key in ("p2p_transfer_timeout", "http_timeout"):
             value = getattr(self, key)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:

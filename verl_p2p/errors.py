@@ -1,5 +1,10 @@
 """Exception types: every failure names the thing that failed and, where there is one, the fix."""
 
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
 
 class P2PError(RuntimeError):
     """Base class of every error this backend raises on purpose."""
@@ -18,8 +23,38 @@ class RemoteMismatchError(P2PError):
 
 
 class TransferError(P2PError):
-    """A write to a target failed or timed out; the target's bytes are unknown afterwards."""
+    """A write to a target failed or timed out; the target's bytes are unknown afterwards.
+
+    `unknown_targets`: the rollout targets (TargetRank) whose bytes the failed push left unknown, when the raiser
+    knows them: every other target of that push then received all its bytes. None: not known, so every target
+    of the push counts as unknown. The attribute survives pickling (Ray carries it to the driver).
+    """
+
+    def __init__(self, message: str, unknown_targets: Iterable[Any] | None = None):
+        super().__init__(message)
+        self.unknown_targets = None if unknown_targets is None else frozenset(unknown_targets)
+
+
+class PushError(TransferError):
+    """A sync's push failed on one or more trainer ranks; `unknown_targets` gathers what every rank left unknown."""
 
 
 class RolloutHTTPError(P2PError):
     """A rollout server answered an error, or did not answer in time."""
+
+
+def unknown_targets_of(error: BaseException) -> frozenset | None:
+    """The `unknown_targets` a failed push's exception carries (also inside Ray's RayTaskError and through
+    `raise ... from`); None when no exception in the chain knows them."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [error]
+    while todo:
+        exc = todo.pop(0)
+        if exc is None or id(exc) in seen:
+            continue
+        seen.add(id(exc))
+        targets = getattr(exc, "unknown_targets", None)
+        if isinstance(targets, frozenset):
+            return targets
+        todo += [getattr(exc, "cause", None), exc.__cause__]
+    return None

@@ -1,10 +1,12 @@
 """FakeSGLang: a STAND-IN for one SGLang engine's control plane and bootstrap server (tests only).
 
-Real HTTP on 127.0.0.1 (stdlib ThreadingHTTPServer, keep-alive), SGLang's routes and answer shapes
-(PROTOCOL.md sections 2-3), and a lifecycle state machine that refuses out-of-order calls with 400 the way a
-strict SGLang would. It holds no model: `write()` stands for the trainer's push, and `compare` passes only
-when a push landed after `reset_tensors`. It will give way to verl_p2p/loopback (real model, real Mooncake)
-for end-to-end tests.
+Real HTTP on 127.0.0.1 (stdlib ThreadingHTTPServer, keep-alive), SGLang's routes and answer shapes, and a
+lifecycle state machine that refuses out-of-order calls with 400 the way a strict SGLang would. What SGLang
+itself allows it allows too, and records in `violations`: continue_generation inside an open weight-update
+session, with the KV cache released, or with a prefix cache holding KV from weights written since the last
+/flush_cache (or KV release). It holds no model: `write()` stands for the trainer's push, and `compare` passes
+only when a push landed after `reset_tensors`. verl_p2p/loopback (real model, real Mooncake) covers the same
+end to end.
 """
 
 from __future__ import annotations
@@ -119,6 +121,8 @@ class FakeSGLang:
         self.session_open = False
         self.weight_version = "default"
         self.pushes = 0
+        self.cache_stale = False  # the prefix cache holds KV computed with weights written since its last flush
+        self.violations: list[str] = []  # what SGLang allows but p2p must never do, in order
         self.checker = "none"  # none -> snapshot -> reset -> (compare)
         self.pushed_since_reset = False
         self.compare_error: str | None = None
@@ -178,6 +182,7 @@ class FakeSGLang:
             self.calls.append("push")
             self.pushes += 1
             self.pushed_since_reset = True
+            self.cache_stale = True
 
     def lifecycle_calls(self) -> list[str]:
         """The calls that change state, in order (reads such as server_info and rank info left out)."""
@@ -270,10 +275,13 @@ class FakeSGLang:
         return 200, {"message": "Generation paused successfully.", "status": "ok"}
 
     def _r_continue_generation(self, method, query, body):
+        # SGLang checks nothing here: record what must never happen instead of refusing it
         if self.kv_released:
-            return self._refuse("continue_generation while the KV cache is released (resume it first)")
+            self.violations.append("resumed_with_kv_cache_released")
         if self.session_open:
-            return self._refuse("continue_generation inside a weight-update session (end it first)")
+            self.violations.append("resumed_inside_weight_update_session")
+        if self.cache_stale:
+            self.violations.append("served_stale_prefix_cache")
         self.paused = False
         return 200, {"message": "Generation continued successfully.", "status": "ok"}
 
@@ -283,6 +291,7 @@ class FakeSGLang:
         if self.kv_released:
             return self._refuse("KV cache already released")
         self.kv_released = True
+        self.cache_stale = False  # SGLang flushes the cache when it releases the KV memory
         return 200, None
 
     def _r_resume_memory_occupation(self, method, query, body):
@@ -318,6 +327,7 @@ class FakeSGLang:
         return 200, {"success": True, "new_version": self.weight_version, "message": "ok"}
 
     def _r_flush_cache(self, method, query, body):
+        self.cache_stale = False
         return 200, b"Cache flushed."
 
     def _r_weights_checker(self, method, query, body):

@@ -14,7 +14,9 @@ KV and generation. Here:
 - `send_weights` (trainer): export the stage and write it (source) or only run the export's collectives
   (idle); rank 0 returns the combined metrics.
 - `receive_weights` (rollout): note the version (global step); yields nothing.
-- `finalize`: rollout leader: bump the version, end the session, [check: compare, once].
+- `finalize`: rollout leader: bump the version, end the session, [check: compare, once], flush the prefix cache
+  (verl resumes generation right after). A failed push raises from `send_weights`, so verl's manager never
+  calls `finalize` nor resumes: every replica stays paused until a sync succeeds (docs/failures.md).
 
 verl's own `set_global_steps` stamp still happens: the rollout's server adapter receives the empty stream and
 stamps the version. Construction is cheap (verl builds the engine on every actor and rollout worker in every
@@ -47,7 +49,7 @@ from verl_p2p.backend.roles import (
 )
 from verl_p2p.backend.topology import DRIVER_CACHE, Assignment, EngineMeta, SourceMeta
 from verl_p2p.config import P2PConfig
-from verl_p2p.errors import P2PError
+from verl_p2p.errors import P2PError, PushError, unknown_targets_of
 
 logger = logging.getLogger(__name__)
 
@@ -167,16 +169,27 @@ class P2PCheckpointEngine(CheckpointEngine):
             mine = p2p_metrics.as_dict(self._session.push())
         except Exception as exc:  # every rank must reach the gather below, or the others wait forever
             error = exc
-        outcomes = self._gather(
-            (self.trainer.rank, mine, None if error is None else f"{type(error).__name__}: {error}")
-        )
-        failed = [(rank, text) for rank, _, text in outcomes if text]
+        text = None if error is None else f"{type(error).__name__}: {error}"
+        outcomes = self._gather((self.trainer.rank, mine, text, self._unknown_after(error)))
+        failed = [(rank, why) for rank, _, why, _ in outcomes if why]
         if failed:
             text = "; ".join(f"trainer rank {rank}: {why}" for rank, why in failed)
-            raise P2PError(f"p2p push to version {global_steps} failed: {text}") from error
+            unknown = {t for *_, targets in outcomes for t in targets}
+            raise PushError(f"p2p push to version {global_steps} failed: {text}", unknown_targets=unknown) from error
         if not self.is_master:
             return {}
-        return p2p_metrics.sync_metrics([m for _, m, _ in outcomes], {"generation": float(self._assignment.generation)})
+        return p2p_metrics.sync_metrics(
+            [m for _, m, _, _ in outcomes], {"generation": float(self._assignment.generation)}
+        )
+
+    def _unknown_after(self, error: BaseException | None) -> list[Any]:
+        """The targets this rank's failed push left unknown: those the error names, else all it writes."""
+        if error is None:
+            return []
+        named = unknown_targets_of(error)
+        if named:
+            return sorted(named)
+        return list(self._assignment.targets) if self._assignment is not None else []
 
     def receive_weights(self, global_steps: int | None = None):
         """Nothing travels through the rollout worker: note the version for `finalize` and yield nothing."""
@@ -281,6 +294,7 @@ class P2PCheckpointEngine(CheckpointEngine):
                 await adapter.end_session()
         if self._checker.wants_compare:
             await self._checker.compare([adapter])
+        await adapter.flush_cache()  # the writes bypassed SGLang's loader, which would have flushed it
 
 
 # ---- driver ----------------------------------------------------------------------------------------------------

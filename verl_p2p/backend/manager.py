@@ -2,13 +2,14 @@
 
 verl's stock manager (the engine-only path) reaches every rollout worker through Ray and rebuilds the
 topology every sync. This manager talks to the SGLang servers directly over HTTP (lifecycle.py: abort,
-begin, connect, push, version, end, resume, with the restoring steps in `finally`), and to the trainer only
-for what must run there:
+begin, connect, push, version, end, flush, resume; a replica the push left unknown stays paused), and to the
+trainer only for what must run there:
 
 - first sync, and again only when the plan changes (a replica added/removed/restarted): one `prepare` round
   (trainer ranks' stages, once) and one `init_process_group` round carrying each rank's assignment;
 - every sync: the push itself (`actor_wg.update_weights(mode="p2p")`), with verl's `set_global_steps` stamp
-  on the replicas' server actors sent alongside it.
+  on the replicas' server actors sent alongside it; a re-push of failed targets (`p2p_push_retries`) is one
+  `init_process_group` round with the partial plan plus the push.
 
 `add_replicas` / `remove_replicas` invalidate only those replicas' cached metadata: the next sync fetches
 rank info for the new engines alone and re-plans; engines already connected are not asked again.
@@ -81,13 +82,15 @@ class P2PCheckpointEngineManager(CheckpointEngineManager):
 
     @auto_await
     async def update_weights(self, global_steps: int | None = None) -> dict:
-        """One sync to version `global_steps`; raises (after restoring generation) when any step failed."""
+        """One sync to version `global_steps`; raises SyncError when any step failed, naming every replica left
+        stale (paused: the push left its weights unknown) as well as those restored."""
         lifecycle = self._ensure_lifecycle(global_steps)
         await self._check_new_servers(lifecycle.adapters)
         report = await lifecycle.sync(global_steps, lambda connection: self._push(connection, global_steps))
         out = dict(report.metrics)
         out.update({f"{PREFIX}phase/{name}_s": seconds for name, seconds in report.phases.items()})
         out[f"{PREFIX}reconnected"] = float(report.reconnected)
+        out[f"{PREFIX}retried_targets"] = float(len(report.retried_targets))
         return out
 
     def _ensure_lifecycle(self, global_steps: int | None) -> Any:
@@ -117,7 +120,7 @@ class P2PCheckpointEngineManager(CheckpointEngineManager):
     async def _push(self, connection: Any, global_steps: int | None) -> dict:
         """The lifecycle's push step: (re)plan on change, then every trainer rank exports and writes."""
         sources = await self._source_metas()
-        key = (connection.generation, tuple(sources))
+        key = (connection.generation, tuple(connection.targets), tuple(sources))  # a re-push is a plan of its own
         if key != self._plan_key:
             self._generation += 1
             assignments = assign(

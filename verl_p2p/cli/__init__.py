@@ -1,4 +1,4 @@
-"""`verl-p2p demo | plan | bench | serve-loopback`: the command-line entry points (one module per command)."""
+"""`verl-p2p demo | plan | bench | soak | serve-loopback`: the command-line entry points (one module per command)."""
 
 from __future__ import annotations
 
@@ -30,11 +30,12 @@ def main(argv: list[str] | None = None) -> int:
     commands = {
         "demo": "verl_p2p.cli.demo",
         "bench": "verl_p2p.cli.bench",
+        "soak": "verl_p2p.cli.soak",
         "serve-loopback": "verl_p2p.loopback.__main__",
         "e2e": "verl_p2p.e2e.run",
     }
     if not argv or argv[0] in ("-h", "--help") or (argv[0] not in commands and argv[0] != "plan"):
-        print("usage: verl-p2p {demo,plan,bench,e2e,serve-loopback} [options]", file=sys.stderr)
+        print("usage: verl-p2p {demo,plan,bench,e2e,soak,serve-loopback} [options]", file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     command, rest = argv[0], argv[1:]
     if command == "plan":

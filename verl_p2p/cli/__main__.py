@@ -4,4 +4,5 @@ import sys
 
 from verl_p2p.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # not when multiprocessing's spawn re-imports it in a child
+    sys.exit(main())

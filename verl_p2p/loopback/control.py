@@ -8,6 +8,7 @@ weights go to the rank processes. Every call is recorded with its outcome (GET /
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import threading
@@ -24,8 +25,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.base import BaseHTTPMiddleware
 
+from verl_p2p.loopback.fault_injection import LoopbackFaults
 from verl_p2p.loopback.features import Features
-from verl_p2p.loopback.lifecycle import Lifecycle, Refused
+from verl_p2p.loopback.lifecycle import VIOLATION, Lifecycle, Refused
 from verl_p2p.loopback.rank_worker import RankHandle, RankOpError, RankUnavailable
 
 _UNRECORDED_PREFIXES = ("/health", "/loopback/")
@@ -43,10 +45,21 @@ class ControlContext:
     bootstrap_url: str
     ranks: list[RankHandle]
     rank_timeout: float = 60.0
+    faults: LoopbackFaults | None = None  # test/soak fault injection (fault_injection.py)
 
     def call_ranks(self, op: str, **kwargs) -> list[Any]:
         """`op` on every rank in rank order; RankUnavailable / RankOpError name the first rank that failed."""
         return [r.call(op, self.rank_timeout, **kwargs) for r in self.ranks]
+
+    def weight_digests(self, timeout: float = 2.0) -> dict[int, str | None]:
+        """Every rank's weight digest; None for a rank that does not answer within `timeout` (dead or frozen)."""
+        digests: dict[int, str | None] = {}
+        for r in self.ranks:
+            try:
+                digests[r.rank] = r.call("weights_digest", min(timeout, self.rank_timeout))
+            except (RankUnavailable, RankOpError):
+                digests[r.rank] = None
+        return digests
 
     def dead_ranks(self) -> dict[int, str]:
         return {r.rank: r.death_reason() for r in self.ranks if not r.alive()}
@@ -175,13 +188,16 @@ def create_app(ctx: ControlContext) -> FastAPI:
     @app.post("/continue_generation")
     @admin
     def continue_generation(request: Request, body: OptionalBody = None) -> Response:
-        with lc.lock:
-            try:
-                lc.resume_generation()
-            except Refused as e:
-                return refused(request, body, e)
+        with lc.lock:  # as SGLang: no check at all; what it should have refused is recorded as a violation
+            digests = ctx.weight_digests()
+            violations = lc.resume_generation(digests)
+            unread = [r for r, d in digests.items() if d is None]
+            note = "continued" + (f" (rank(s) {unread} unreadable: cache freshness unknown)" if unread else "")
             ok = JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
-            return finish(request, body, ok, "continued")
+            response = finish(request, body, ok, note)
+            for name, message in violations:
+                lc.record(VIOLATION, name, None, 200, message)
+            return response
 
     @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
     @admin
@@ -252,12 +268,16 @@ def create_app(ctx: ControlContext) -> FastAPI:
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     @admin
-    def flush_cache(request: Request) -> Response:
+    def flush_cache(request: Request, timeout: float = 0.0) -> Response:
+        # no requests ever run here, so the cache is always idle and the flush always succeeds (SGLang answers
+        # 400 while requests run or wait: fault injection imitates that)
         text = (
             "Cache flushed.\nPlease check backend logs for more details. "
             "(When there are running or waiting requests, the operation will not be performed.)\n"
         )
-        return finish(request, None, PlainTextResponse(text), "flushed")
+        with lc.lock:
+            lc.flush_cache()
+            return finish(request, None, PlainTextResponse(text), "flushed")
 
     # ---------------------------------------------------------------- weights checker
     def weights_checker(request: Request, body: dict | None) -> Response:
@@ -315,15 +335,26 @@ def create_app(ctx: ControlContext) -> FastAPI:
     def events(since: int = 0) -> Response:
         return JSONResponse({"events": [asdict(e) for e in lc.events(since)]})
 
-    async def record_unhandled(request: Request, call_next):
-        response = await call_next(request)
+    async def inject_and_record(request: Request, call_next):
         path = request.url.path
+        fault = ctx.faults.take(path) if ctx.faults is not None and not path.startswith("/loopback/") else None
+        if fault is not None:
+            if fault.delay_s:
+                await asyncio.sleep(fault.delay_s)
+            if fault.status is not None:
+                try:
+                    body = json.loads(await request.body() or b"null")
+                except ValueError:
+                    body = None
+                lc.record(request.method, path, body, fault.status, f"injected fault: {fault.message}")
+                return JSONResponse(fault.body(), status_code=fault.status)
+        response = await call_next(request)
         if not getattr(request.state, "loopback_recorded", False) and not path.startswith(_UNRECORDED_PREFIXES):
             lc.record(request.method, path, None, response.status_code, "not handled (auth, route or body)")
         return response
 
     add_api_key_middleware(app, api_key=ctx.server_args.get("api_key"), admin_api_key=None)
-    app.add_middleware(BaseHTTPMiddleware, dispatch=record_unhandled)  # outermost: also sees 401s
+    app.add_middleware(BaseHTTPMiddleware, dispatch=inject_and_record)  # outermost: also sees 401s
     return app
 
 

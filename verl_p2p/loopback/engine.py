@@ -25,8 +25,9 @@ from typing import Any
 
 from verl_p2p.loopback.bootstrap import BootstrapServer
 from verl_p2p.loopback.control import ControlContext, ThreadedServer, create_app
+from verl_p2p.loopback.fault_injection import LoopbackFaults
 from verl_p2p.loopback.features import Features, installed_sglang_version
-from verl_p2p.loopback.lifecycle import Lifecycle
+from verl_p2p.loopback.lifecycle import VIOLATION, Lifecycle
 from verl_p2p.loopback.rank_worker import DEFAULT_BUILDER, RankArgs, RankHandle, rank_main
 from verl_p2p.loopback.server_args import launch_server_args, resolve_server_args
 
@@ -94,6 +95,7 @@ class LoopbackEngine:
         self.launch_args: dict[str, Any] = {}  # ServerArgs fields the ranks are launched with
         self.server_args: dict[str, Any] = {}  # the resolved ServerArgs, as /server_info reports them
         self.lifecycle = Lifecycle()
+        self.faults = LoopbackFaults()  # test/soak fault injection into the control plane
         self._ranks: list[RankHandle] = []
         self._bootstrap: BootstrapServer | None = None
         self._http: ThreadedServer | None = None
@@ -182,7 +184,10 @@ class LoopbackEngine:
                 bootstrap_url=self.bootstrap_url,
                 ranks=self._ranks,
                 rank_timeout=self.spec.rank_timeout_s,
+                faults=self.faults,
             )
+            # it has been serving since start-up: its prefix cache holds KV computed with the loaded weights
+            self.lifecycle.state.prefix_cache_from = {str(r): d for r, d in context.weight_digests(30.0).items() if d}
             self._http = ThreadedServer(create_app(context), self.spec.host, self.port)
             self._http.start()
         except BaseException:
@@ -249,6 +254,9 @@ class LoopbackEngine:
         """Invert every bit of byte `index` of `param` on rank `rank`; returns (old, new) byte values."""
         return tuple(self._rank(rank).call("flip_byte", self.spec.rank_timeout_s, name=param, index=index))
 
+    def ranks_alive(self) -> list[bool]:
+        return [h.alive() for h in self._ranks]
+
     def kill_rank(self, rank: int) -> None:
         """SIGKILL rank `rank` and wait until it is gone (its bootstrap registration is removed)."""
         handle = self._rank(rank)
@@ -265,6 +273,15 @@ class LoopbackEngine:
     def events(self, since: int = 0) -> list[dict]:
         """The control-plane event log (same content as GET /loopback/events)."""
         return [asdict(e) for e in self.lifecycle.events(since)]
+
+    def violations(self, since: int = 0) -> list[dict]:
+        """The events recording what SGLang allows but p2p must never do (loopback/lifecycle.py)."""
+        return [e for e in self.events(since) if e["method"] == VIOLATION]
+
+    def state(self) -> dict[str, Any]:
+        """The control plane's lifecycle state now (paused, session_open, weight_version, ...)."""
+        with self.lifecycle.lock:
+            return asdict(self.lifecycle.state)
 
 
 @contextmanager

@@ -5,8 +5,17 @@ Refusals SGLang itself makes (read from 0.5.12 / 0.5.23): begin while a session 
 Refusals SGLang does not make, added where p2p correctness needs them (messages start with "loopback:"):
 - begin_weight_update while generation runs: one-sided writes into a serving engine mix old and new weights;
 - release_memory_occupation while generation runs (SGLang asserts the scheduler is idle instead);
-- resume_memory_occupation of a tag that is not released (SGLang's scheduler fails on it with a KeyError);
-- continue_generation while a weight-update session is open or the KV cache is released.
+- resume_memory_occupation of a tag that is not released (SGLang's scheduler fails on it with a KeyError).
+
+What SGLang allows, the loopback allows too, and records as a *violation* event (method "LOOPBACK", the
+violation's name as path) so a test can see it:
+- `resumed_inside_weight_update_session`: continue_generation does not check for an open session, so a
+  replica whose weights are half written would serve them;
+- `resumed_with_kv_cache_released`: continue_generation does not check the KV cache either;
+- `served_stale_prefix_cache`: generation resumed while the prefix cache holds KV computed with weights that
+  have changed since (SGLang empties it on /flush_cache and when the KV cache is released; its own weight
+  loaders flush after an update, but one-sided writes bypass them). The cache is tracked as the per-rank
+  digest of the weights generation last ran on (None: empty).
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")  # SGLang's GPU_MEMORY_ALL_TYPES
+VIOLATION = "LOOPBACK"  # the `method` of violation events
 PAUSE_MODES = ("abort", "retract", "in_place")
 SELECTORS = ("all", "target", "draft")
 
@@ -39,6 +49,7 @@ class LifecycleState:
     session_selector: str | None = None
     weight_version: str = "default"
     sessions_completed: int = 0
+    prefix_cache_from: dict[str, str] | None = None  # rank -> digest of the weights its cached KV came from
 
 
 @dataclass(frozen=True)
@@ -80,14 +91,44 @@ class Lifecycle:
             raise Refused(f"Invalid mode: {mode!r}. Expected one of {list(PAUSE_MODES)}.")
         self.state.paused, self.state.pause_mode = True, mode
 
-    def resume_generation(self) -> None:
+    def resume_generation(self, digests: dict[int, str | None]) -> list[tuple[str, str]]:
+        """Resume (as SGLang does, whatever the state); returns the violations (name, message) to record.
+        `digests`: every rank's current weight digest (None: the rank did not answer)."""
+        violations = []
         if self.state.session_open:
-            raise Refused(
-                "loopback: a weight-update session is open; call end_weight_update before continue_generation"
+            violations.append(
+                (
+                    "resumed_inside_weight_update_session",
+                    "loopback: generation resumed while a weight-update session is open: the weights may be half "
+                    "written (SGLang does not check)",
+                )
             )
         if "kv_cache" in self.state.released_tags:
-            raise Refused("loopback: the KV cache is released; resume_memory_occupation(kv_cache) first")
+            violations.append(
+                ("resumed_with_kv_cache_released", "loopback: generation resumed while the KV cache is released")
+            )
+        cached = self.state.prefix_cache_from
+        changed = sorted(
+            r
+            for r, d in digests.items()
+            if cached is not None and d is not None and cached.get(str(r)) not in (None, d)
+        )
+        if changed:
+            violations.append(
+                (
+                    "served_stale_prefix_cache",
+                    f"loopback: generation resumed with a prefix cache computed from older weights (rank(s) "
+                    f"{changed} changed since the cache was last flushed)",
+                )
+            )
+        current = dict(cached or {})
+        current.update({str(r): d for r, d in digests.items() if d is not None})
         self.state.paused, self.state.pause_mode = False, None
+        self.state.prefix_cache_from = current
+        return violations
+
+    def flush_cache(self) -> None:
+        self.state.prefix_cache_from = None
 
     @staticmethod
     def _tags(tags: list[str] | None) -> list[str]:
@@ -102,6 +143,8 @@ class Lifecycle:
         if not self.state.paused:
             raise Refused("loopback: release_memory_occupation needs an idle engine: call pause_generation first")
         self.state.released_tags = sorted(set(self.state.released_tags) | set(tags))
+        if "kv_cache" in tags:  # SGLang flushes the cache when it releases the KV memory
+            self.flush_cache()
         return tags
 
     def resume_memory(self, tags: list[str] | None) -> list[str]:

@@ -3,7 +3,8 @@
 The process builds its model through SGLang's own distributed path (`build_sglang_rank_model`, a real gloo
 group), registers every parameter's memory with a Mooncake TransferEngine, publishes
 `(session_id, weights_info)` to the engine's bootstrap server like SGLang's ModelRunner does, then serves
-requests from the parent over a pipe: dump, flip_byte, weights_checker actions, post-load processing.
+requests from the parent over a pipe: dump, weights_digest, flip_byte, weights_checker actions, post-load
+processing.
 It exits when the parent dies (pipe EOF or a changed parent pid): no orphans.
 """
 
@@ -120,6 +121,18 @@ class _RankServer:
         buf = io.BytesIO()
         torch.save({name: p.detach().clone() for name, p in self.params.items()}, buf)
         return buf.getvalue()
+
+    def weights_digest(self) -> str:
+        """A digest of every parameter's bytes: equal digests, equal weights (the prefix-cache tracking)."""
+        import hashlib
+
+        import torch
+
+        h = hashlib.blake2b(digest_size=16)
+        for name in sorted(self.params):
+            h.update(name.encode())
+            h.update(self.params[name].detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
 
     def flip_byte(self, name: str, index: int) -> tuple[int, int]:
         import torch

@@ -9,15 +9,21 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from verl_p2p.config import P2PConfig
 from verl_p2p.planning.layout import RankLayout, layout_from_server_args
 from verl_p2p.planning.targets import RemoteRankInfo
-from verl_p2p.rollout.client import RankAnswer, SGLangClient, normalize_url
+from verl_p2p.rollout.client import RankAnswer, RolloutCallError, SGLangClient, normalize_url
 
 DEFAULT_BOOTSTRAP_PORT = 6789  # SGLang's ServerArgs.engine_info_bootstrap_port default (0.5.12 - 0.5.23)
+FLUSH_BUSY = 400  # SGLang's /flush_cache answer while requests still run or wait
+_FLUSH_HINT = (
+    "the server kept requests running or queued while paused; with pause_mode=retract, SGLang before 0.5.23 keeps "
+    "the retracted requests queued and cannot flush until they finish: use pause_mode=abort, or raise http_timeout"
+)
 
 
 class P2PReplicaAdapter:
@@ -93,6 +99,37 @@ class P2PReplicaAdapter:
 
     async def resume(self) -> None:
         await self.client.continue_generation()
+
+    async def flush_cache(self) -> int:
+        """Drop the prefix (radix) cache, whose KV was computed with the old weights; returns the attempts made.
+
+        SGLang flushes it after every weight update it performs itself, but p2p writes bypass its loader, so the
+        sync must. SGLang answers 400 while requests still run or wait (aborted ones not yet reaped), so a 400 is
+        retried until `http_timeout` has passed since the first try; any other error, or a 400 past that
+        deadline, raises naming the server."""
+        deadline = time.monotonic() + self.config.http_timeout
+        delay, attempts = 0.05, 0
+        while True:
+            attempts += 1
+            left = deadline - time.monotonic()
+            try:
+                await self.client.flush_cache(timeout=max(left, 0.01))
+                return attempts
+            except RolloutCallError as exc:
+                if exc.status != FLUSH_BUSY:
+                    raise
+                if time.monotonic() + delay >= deadline:
+                    raise RolloutCallError(
+                        exc.server,
+                        exc.method,
+                        exc.route,
+                        exc.status,
+                        f"cache still not flushed after {attempts} attempt(s) in {self.config.http_timeout:g} s: "
+                        f"{exc.message}",
+                        _FLUSH_HINT,
+                    ) from exc
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
 
     async def weights_checker(self, action: str, **fields: Any) -> Any:
         return await self.client.weights_checker(action, **fields)

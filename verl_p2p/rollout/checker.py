@@ -26,7 +26,11 @@ _SKIP_LIST_ACTIONS = ("reset_tensors", "compare", "checksum")  # snapshot copies
 
 
 class WeightCheckError(P2PError):
-    """weights_checker failed (snapshot/reset/compare) on one or more replicas."""
+    """weights_checker failed (snapshot/reset/compare) on one or more replicas; `engines` names them."""
+
+    def __init__(self, message: str, engines: Sequence[int] = ()):
+        super().__init__(message)
+        self.engines = frozenset(engines)
 
 
 def parse_version(text: str | None) -> Version | None:
@@ -108,7 +112,8 @@ class WeightUpdateChecker:
                     why = getattr(exc, "message", None) or str(exc)
                     extra = f" [{'; '.join(notes)}]" if notes else ""
                     raise WeightCheckError(
-                        f"check_weight_update_equal {when}: {action} failed on {adapter}: {why}{extra}"
+                        f"check_weight_update_equal {when}: {action} failed on {adapter}: {why}{extra}",
+                        engines=[adapter.engine],
                     ) from exc
             return notes
 
@@ -120,4 +125,5 @@ class WeightUpdateChecker:
         if len(errors) == 1:
             raise errors[0]
         if errors:
-            raise WeightCheckError("; ".join(str(e) for e in errors)) from errors[0]
+            engines = [e for err in errors for e in getattr(err, "engines", ())]
+            raise WeightCheckError("; ".join(str(e) for e in errors), engines=engines) from errors[0]

@@ -1,25 +1,37 @@
-"""The sync sequence (DESIGN.md section 1): the only module that knows the order of the steps.
+"""The sync sequence: the only module that knows the order of the steps.
 
     abort -> release KV (when the rollout frees it) -> [checker: snapshot + reset, once] -> begin session
-    -> connect (cached) -> push -> bump version -> end session -> [checker: compare, once]
-    -> resume KV -> resume generation
+    -> connect (cached) -> push [-> re-push the targets left unknown, `p2p_push_retries` times]
+    -> per replica whose every target got all its bytes: bump version -> end session -> [checker: compare,
+       once] -> resume KV -> flush prefix cache -> resume generation
 
-Each step runs on every replica in parallel. A step that fails on any replica stops the forward steps: the
-push never runs after a failed begin/connect, and a failed push never bumps a version. End session runs on
-every replica a begin was sent to (a begin that failed may still have left a session open), resume KV on
-every replica a release was sent to, and resume generation on every replica, whatever happened before.
-Once a forward step has failed, each replica is restored on its own (end -> resume KV -> resume, replicas in
-parallel), so a replica that hangs (a frozen rank: its end waits out http_timeout) holds back only itself and
-the healthy ones go back to generating at once.
+Each step runs on every replica in parallel, in lockstep. Before the push nothing is written: a step that fails
+on any replica stops the forward steps (the push never runs after a failed begin/connect) and every replica is
+restored on its own (end where a begin was sent, resume KV where released, resume generation), replicas in
+parallel, so one that hangs (a frozen rank: its end waits out http_timeout) holds back only itself.
+
+From the push on, replicas part ways. A replica is *stale* when its bytes or its cache are unknown: a target of
+it the push and its retries did not finish, or a later step (bump, end, compare, resume KV, flush) that failed
+on it; also, when a sync fails before its push, every replica the weights checker reset (random weights). A
+stale replica is parked (its session ended and its KV resumed where possible, in the background) but NEVER
+resumed: real SGLang resumes generation whatever state its weights are in. It is named in the sync's SyncError
+and stays stale, paused, across syncs until a sync writes it completely and takes it through every step, which
+then resumes it. The others are versioned, flushed and resumed at once. A failed push is retried within the
+sync for the targets it left unknown, after re-reading their rank info (a restarted rank publishes a new
+session); the retry writes only those targets, and the others wait for it before they resume. SGLang flushes
+its prefix cache after the weight updates it performs itself, but one-sided writes bypass its loader: without
+the flush, prefixes cached with the old weights would be served after the sync. docs/failures.md has what each
+failure leaves behind.
 
 Connect is cached. Every sync re-reads each rank's transfer-engine info (one GET per rank, all in parallel,
 overlapped with abort..begin: the info is fixed for a server's lifetime) and compares a digest of the raw
 answer with the cached one; only a changed digest is parsed, and only a changed
 `RemoteRankInfo.fingerprint()` (session id, an address or a size) counts as a change. Server args are fetched
 once per engine and again only when its rank info changed (a restarted server) or the engine was re-added.
-The decision is taken at the connect step, after begin. A change yields a new `Connection` (`generation` + 1,
-`changed_engines`); otherwise the same object comes back, so the push side re-plans only on change.
-`recheck_rank_info=False` skips the re-read (then only add/remove_adapters trigger a reconnect).
+The decision is taken at the connect step, after begin. A change yields a new `Connection` (a new
+`generation`, `changed_engines`); otherwise the same object comes back, so the push side re-plans only on
+change. A retry's Connection is `partial` (only the targets to re-push) and has a generation of its own.
+`recheck_rank_info=False` skips the per-sync re-read (then only add/remove_adapters trigger a reconnect).
 """
 
 from __future__ import annotations
@@ -32,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from verl_p2p.config import P2PConfig
-from verl_p2p.errors import P2PError
+from verl_p2p.errors import P2PError, unknown_targets_of
 from verl_p2p.planning.layout import RankLayout, layout_from_server_args
 from verl_p2p.planning.targets import RemoteRankInfo, TargetRank
 from verl_p2p.rollout.adapter import P2PReplicaAdapter
@@ -44,7 +56,9 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Connection:
-    """What the push needs about every target: rank info and layout per (engine, rank), server args per engine."""
+    """What the push needs about every target: rank info and layout per (engine, rank), server args per engine.
+
+    `generation` changes whenever the set of targets or anything about them does (a partial one has its own)."""
 
     generation: int
     server_infos: Mapping[int, Mapping[str, Any]]
@@ -52,6 +66,7 @@ class Connection:
     layouts: Mapping[TargetRank, RankLayout]
     changed_engines: frozenset[int] = frozenset()  # engines new or changed since the previous generation
     removed_engines: frozenset[int] = frozenset()
+    partial: bool = False  # a re-push after a failed push: only the targets it left unknown
 
     @property
     def engines(self) -> list[int]:
@@ -77,17 +92,42 @@ class ReplicaFailure:
         return f"{self.step} on engine {self.engine} ({self.url}): {self.error}"
 
 
-class SyncError(P2PError):
-    """A sync failed; `failures` are the step that broke it, `cleanup` what failed while restoring."""
+@dataclass(frozen=True)
+class StaleReplica:
+    """A replica left paused because its weights or its prefix cache are unknown; `reason` says why."""
 
-    def __init__(self, version: str | None, failures: Sequence[ReplicaFailure], cleanup: Sequence[ReplicaFailure] = ()):
-        self.version, self.failures, self.cleanup = version, list(failures), list(cleanup)
+    engine: int
+    url: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"engine {self.engine} ({self.url}): {self.reason}"
+
+
+class SyncError(P2PError):
+    """A sync failed: `failures` are the steps that broke it, `cleanup` what failed while restoring, `stale` the
+    replicas left paused (never resumed with unknown weights) until a sync rewrites them."""
+
+    def __init__(
+        self,
+        version: str | None,
+        failures: Sequence[ReplicaFailure],
+        cleanup: Sequence[ReplicaFailure] = (),
+        stale: Sequence[StaleReplica] = (),
+    ):
+        self.version, self.failures, self.cleanup, self.stale = version, list(failures), list(cleanup), list(stale)
         first = self.failures or self.cleanup
         what = f"weight sync to version {version!r}" if version is not None else "rollout"
-        text = f"{what} failed at {first[0].step}: " + "; ".join(map(str, first))
+        text = f"{what} failed at {first[0].step}: " + "; ".join(map(str, first)) if first else f"{what} failed"
         if self.failures and self.cleanup:
             text += " | while restoring: " + "; ".join(map(str, self.cleanup))
+        if self.stale:
+            text += " | stale replicas, paused until a sync rewrites them: " + "; ".join(map(str, self.stale))
         super().__init__(text)
+
+    @property
+    def stale_engines(self) -> list[int]:
+        return [s.engine for s in self.stale]
 
 
 @dataclass
@@ -100,6 +140,8 @@ class SyncReport:
     reconnected: bool
     generation: int
     engines_without_sessions: list[int] = field(default_factory=list)
+    retried_targets: list[TargetRank] = field(default_factory=list)  # re-pushed after a failed first push
+    recovered_engines: list[int] = field(default_factory=list)  # stale before this sync, resumed by it
 
 
 Push = Callable[[Connection], Awaitable[Mapping[str, Any] | None]]
@@ -110,7 +152,7 @@ class _Stop(Exception):
 
 
 class SyncLifecycle:
-    """Runs syncs over a set of replica adapters; keeps the connect cache between syncs.
+    """Runs syncs over a set of replica adapters; keeps the connect cache and the stale replicas between syncs.
 
     `frees_kv`: release/resume the KV cache around the update (verl's `rollout.free_cache_engine`).
     `checker`: the check_weight_update_equal hook; built from `config` when None and the option is on (pass
@@ -135,6 +177,9 @@ class SyncLifecycle:
         self._adapters: dict[int, P2PReplicaAdapter] = {}
         self._answers: dict[int, dict[int, RankAnswer]] = {}  # engine -> rank -> last answer
         self._connection: Connection | None = None
+        self._generation = 0  # the last generation handed out (full and partial connections share the count)
+        self._stale: dict[int, str] = {}  # engine -> why it is paused until a sync rewrites it
+        self._open_sessions: set[int] = set()  # engines whose session may still be open (begun, end not answered)
         self._running = False
         self.add_adapters(adapters)
 
@@ -142,18 +187,33 @@ class SyncLifecycle:
     def adapters(self) -> list[P2PReplicaAdapter]:
         return [self._adapters[e] for e in sorted(self._adapters)]
 
+    @property
+    def stale(self) -> dict[int, str]:
+        """Engines left paused with unknown weights or cache (engine -> reason); the next full sync rewrites them."""
+        return dict(self._stale)
+
     def add_adapters(self, adapters: Iterable[P2PReplicaAdapter]) -> None:
-        """Add (or replace, by engine index) replicas; only their cached info is invalidated."""
+        """Add (or replace, by engine index) replicas; only their cached info is invalidated. A replaced engine
+        is a new server: what the old one was left holding no longer matters."""
         for adapter in adapters:
             self._adapters[adapter.engine] = adapter
-            self._answers.pop(adapter.engine, None)
+            self._forget(adapter.engine)
             adapter.forget()
 
     def remove_adapters(self, engines: Iterable[int | P2PReplicaAdapter]) -> None:
         for item in engines:
             engine = item.engine if isinstance(item, P2PReplicaAdapter) else int(item)
             self._adapters.pop(engine, None)
-            self._answers.pop(engine, None)
+            self._forget(engine)
+
+    def _forget(self, engine: int) -> None:
+        self._answers.pop(engine, None)
+        self._stale.pop(engine, None)
+        self._open_sessions.discard(engine)
+
+    def _next_generation(self) -> int:
+        self._generation += 1
+        return self._generation
 
     # ---- connect ---------------------------------------------------------------------------------------------
 
@@ -165,15 +225,16 @@ class SyncLifecycle:
             raise SyncError(None, failures)
         return connection
 
-    async def _probe_all(self, adapters: Sequence[P2PReplicaAdapter]) -> list:
-        """Read every rank's info (server args too for new or changed engines); exceptions are returned."""
+    async def _probe_all(self, adapters: Sequence[P2PReplicaAdapter], force: bool = False) -> list:
+        """Read every rank's info (server args too for new or changed engines); exceptions are returned.
+        `force`: re-read even with `recheck_rank_info` off (before a retry)."""
 
         async def probe(adapter: P2PReplicaAdapter) -> tuple[dict[int, RankAnswer], bool]:
             known = self._answers.get(adapter.engine)
             if known is None:
                 await adapter.server_info(refresh=True)
                 return await adapter.rank_answers(), True
-            if not self.recheck_rank_info:
+            if not (self.recheck_rank_info or force):
                 return known, False
             answers = await adapter.rank_answers(known)
             if not _changed(known, answers):
@@ -185,10 +246,10 @@ class SyncLifecycle:
 
         return await asyncio.gather(*(probe(a) for a in adapters), return_exceptions=True)
 
-    def _assemble(self, adapters: Sequence[P2PReplicaAdapter], results: list):
+    def _assemble(self, adapters: Sequence[P2PReplicaAdapter], results: list, step: str = "connect"):
         """Probe results -> (connection, reconnected, failures); a new Connection only when something changed."""
         failures = [
-            ReplicaFailure("connect", a.engine, a.url, r)
+            ReplicaFailure(step, a.engine, a.url, r)
             for a, r in zip(adapters, results, strict=True)
             if isinstance(r, BaseException)
         ]
@@ -215,14 +276,14 @@ class SyncLifecycle:
                 try:
                     layouts[target] = layout_from_server_args(info, rank)
                 except Exception as exc:  # a layout the replica cannot reproduce: name the replica
-                    failures.append(ReplicaFailure("connect", adapter.engine, adapter.url, exc))
+                    failures.append(ReplicaFailure(step, adapter.engine, adapter.url, exc))
                     break
         if failures:
             for failure in failures:  # re-check those engines from scratch next time
                 self._answers.pop(failure.engine, None)
             return previous, False, failures
         self._connection = Connection(
-            generation=(previous.generation + 1) if previous else 1,
+            generation=self._next_generation(),
             server_infos=server_infos,
             rank_infos=rank_infos,
             layouts=layouts,
@@ -234,7 +295,8 @@ class SyncLifecycle:
     # ---- sync ----------------------------------------------------------------------------------------------
 
     async def sync(self, version: Any, push: Push) -> SyncReport:
-        """One weight sync to `version` (the global step); raises SyncError naming every failed replica."""
+        """One weight sync to `version` (the global step); raises SyncError naming every failed replica and
+        every replica left stale."""
         if self._running:
             raise RuntimeError("SyncLifecycle.sync is already running: syncs must not overlap")
         self._running = True
@@ -244,133 +306,350 @@ class SyncLifecycle:
             self._running = False
 
     async def _sync(self, version: str, push: Push) -> SyncReport:
+        run = _Run(self, version)
         adapters = self.adapters
-        phases: dict[str, float] = {}
-        failures: list[ReplicaFailure] = []
-        cleanup: list[ReplicaFailure] = []
-        released: list[P2PReplicaAdapter] = []
-        begun: list[P2PReplicaAdapter] = []
-        begin_failed: set[int] = set()
-        metrics: dict[str, Any] = {}
-        connection, reconnected = self._connection, False
-        with_sessions: list[P2PReplicaAdapter] = []
-        ended = False
-        start = time.perf_counter()
-
-        async def step(name: str, targets: Sequence[P2PReplicaAdapter], action) -> list[ReplicaFailure]:
-            t0 = time.perf_counter()
-            results = await asyncio.gather(*(action(a) for a in targets), return_exceptions=True)
-            phases[name] = time.perf_counter() - t0
-            return [
-                ReplicaFailure(name, a.engine, a.url, r)
-                for a, r in zip(targets, results, strict=True)
-                if isinstance(r, BaseException)
-            ]
-
-        def stop_on(found: list[ReplicaFailure]) -> None:
-            if found:
-                failures.extend(found)
-                raise _Stop
-
+        was_stale = {a.engine for a in adapters if a.engine in self._stale}
         # Rank info is fixed for a server's lifetime, so its per-sync re-read overlaps abort..begin; the
         # decision (reconnect or not) is taken at the connect step, after begin.
         probing = asyncio.ensure_future(self._probe_all(adapters))
+        stage = "prepare"
+        resumed: list[P2PReplicaAdapter] = []
         try:
             try:
-                stop_on(await step("abort", adapters, lambda a: a.pause()))
-                if self.frees_kv:
-                    released = adapters
-                    stop_on(await step("release_kv", adapters, lambda a: a.release_kv()))
-                if self.checker is not None and self.checker.wants_arm:
-                    stop_on(await self._timed_check("check_arm", self.checker.arm, adapters, phases))
-                begun = adapters
-                found = await step("begin", adapters, lambda a: a.begin_session())
-                begin_failed = {f.engine for f in found}
-                stop_on(found)
-                t0 = time.perf_counter()
-                connection, reconnected, found = self._assemble(adapters, await probing)
-                phases["connect"] = time.perf_counter() - t0  # what the overlapped probe left on the path
-                stop_on(found)
-                t0 = time.perf_counter()
-                try:
-                    metrics = dict(await push(connection) or {})
-                except Exception as exc:
-                    stop_on([ReplicaFailure("push", None, None, exc)])
-                finally:
-                    phases["push"] = time.perf_counter() - t0
-                stop_on(await step("bump_version", adapters, lambda a: a.bump_version(version)))
+                await self._prepare(run, adapters, probing)
             except _Stop:
                 pass
-            finally:
-                with_sessions = [a for a in begun if a.sessions_supported is not False]
-                if with_sessions and not failures:
-                    ended = True
-                    for failure in await step("end", with_sessions, lambda a: a.end_session()):
-                        if failure.engine in begin_failed:  # its begin failed: no session is the likely answer
-                            logger.warning("after a failed begin (a session may not be open): %s", failure)
-                        else:
-                            failures.append(failure)
-            if not failures and self.checker is not None and self.checker.wants_compare:
-                failures += await self._timed_check("check_compare", self.checker.compare, adapters, phases)
+            if not run.failures:
+                stage = "push"
+                unknown = await self._push_with_retries(run, push)
+                stage = "finish"
+                resumed = await self._finish(run, adapters, unknown)
+                stage = "done"
         finally:
             if not probing.done():
                 probing.cancel()
-            if ended or not failures:
-                if released:
-                    cleanup += await step("resume_kv", released, lambda a: a.resume_kv())
-                cleanup += await step("resume", adapters, lambda a: a.resume())
-            else:  # the sync failed before end: restore each replica on its own (see the module docstring)
-                t0 = time.perf_counter()
-                chains = [self._restore_one(a, a in with_sessions, a in released, begin_failed) for a in adapters]
-                cleanup += [f for found in await asyncio.gather(*chains) for f in found]
-                phases["restore"] = time.perf_counter() - t0
             await asyncio.wait([probing])
-        phases["total"] = time.perf_counter() - start
-        phases["control_plane"] = phases["total"] - phases.get("push", 0.0)
-        if failures or cleanup:
-            raise SyncError(version, failures, cleanup)
+            if stage == "prepare":  # nothing was written: restore every replica (the stale ones stay paused)
+                await self._restore_all(run, adapters)
+            elif stage != "done":  # interrupted (cancelled, or a bug) from the push on: bytes unknown everywhere
+                for adapter in adapters:
+                    self._stale.setdefault(adapter.engine, f"the sync to version {version!r} was interrupted")
+                    run.stale.setdefault(adapter.engine, self._stale[adapter.engine])
+        recovered = [a.engine for a in resumed if a.engine in was_stale]
+        for engine in recovered:
+            logger.info("p2p: engine %d was rewritten completely and resumed", engine)
+        run.phases["total"] = time.perf_counter() - run.start
+        run.phases["control_plane"] = run.phases["total"] - run.phases.get("push", 0.0)
+        stale = [StaleReplica(a.engine, a.url, self._stale[a.engine]) for a in adapters if a.engine in self._stale]
+        if run.failures or run.cleanup or stale:
+            raise SyncError(version, run.failures, run.cleanup, stale)
         return SyncReport(
             version=version,
-            phases=phases,
-            metrics=metrics,
-            reconnected=reconnected,
-            generation=connection.generation if connection else 0,
+            phases=run.phases,
+            metrics=run.metrics,
+            reconnected=run.reconnected,
+            generation=run.connection.generation if run.connection else 0,
             engines_without_sessions=[a.engine for a in adapters if a.sessions_supported is False],
+            retried_targets=run.retried,
+            recovered_engines=recovered,
         )
 
-    @staticmethod
+    # ---- before the push: all or nothing -----------------------------------------------------------------------
+
+    async def _prepare(self, run: _Run, adapters: list[P2PReplicaAdapter], probing: asyncio.Future) -> None:
+        """abort .. connect; raises _Stop when a step failed on any replica (nothing was written)."""
+        run.stop_on(await run.step("abort", adapters, lambda a: a.pause()))
+        if self.frees_kv:
+            run.released = list(adapters)
+            run.stop_on(await run.step("release_kv", adapters, lambda a: a.release_kv()))
+        if self.checker is not None and self.checker.wants_arm:
+            run.reset = list(adapters)  # reset_tensors randomises weights: from here on, bytes have changed
+            run.stop_on(await self._timed_check(run, "check_arm", self.checker.arm, adapters))
+        run.begun = list(adapters)
+        found = await run.step("begin", adapters, self._begin)
+        run.begin_failed = {f.engine for f in found}
+        run.stop_on(found)
+        t0 = time.perf_counter()
+        run.connection, run.reconnected, found = self._assemble(adapters, await probing)
+        run.phases["connect"] = time.perf_counter() - t0  # what the overlapped probe left on the path
+        run.stop_on(found)
+
+    async def _begin(self, adapter: P2PReplicaAdapter) -> None:
+        """Begin the session; first end one an earlier sync could not. A begin that fails may still have opened
+        one, so the engine counts as having an open session until its begin says there are none."""
+        if adapter.engine in self._open_sessions:
+            try:
+                await adapter.end_session()
+            except Exception as exc:  # most likely it did end meanwhile ("no session is open")
+                logger.warning("p2p: closing the session an earlier sync left open on %s: %s", adapter, exc)
+            self._open_sessions.discard(adapter.engine)
+        if adapter.sessions_supported is not False:
+            self._open_sessions.add(adapter.engine)
+        if not await adapter.begin_session():
+            self._open_sessions.discard(adapter.engine)
+
+    async def _restore_all(self, run: _Run, adapters: list[P2PReplicaAdapter]) -> None:
+        """After a failure before the push: each replica on its own (end, resume KV, resume unless stale). A
+        replica the weights checker reset holds random weights: stale, like a failed push's."""
+        for adapter in run.reset:
+            self._stale[adapter.engine] = run.stale[adapter.engine] = (
+                "check_weight_update_equal randomised its weights (reset_tensors) and the sync failed before "
+                "rewriting them"
+            )
+        t0 = time.perf_counter()
+        chains = [
+            self._restore_one(run, a, a in run.released, resume=a.engine not in self._stale)
+            for a in adapters
+            if a in run.begun or a in run.released or a.engine not in self._stale
+        ]
+        for found in await asyncio.gather(*chains):
+            run.cleanup += found
+        run.phases["restore"] = time.perf_counter() - t0
+
     async def _restore_one(
-        adapter: P2PReplicaAdapter, end: bool, resume_kv: bool, begin_failed: set[int]
+        self, run: _Run, adapter: P2PReplicaAdapter, resume_kv: bool, resume: bool
     ) -> list[ReplicaFailure]:
-        """End (when a begin was sent), resume KV (when released), resume: one replica, each step tried."""
+        """End (when its session may be open), resume KV (when released), resume (when asked): each step tried."""
         found = []
-        steps = [("end", adapter.end_session)] if end else []
+        steps = [("end", lambda: self._end(adapter))] if adapter.engine in self._open_sessions else []
         steps += [("resume_kv", adapter.resume_kv)] if resume_kv else []
-        for name, action in [*steps, ("resume", adapter.resume)]:
+        steps += [("resume", adapter.resume)] if resume else []
+        for name, action in steps:
             try:
                 await action()
             except Exception as exc:
                 failure = ReplicaFailure(name, adapter.engine, adapter.url, exc)
-                if name == "end" and adapter.engine in begin_failed:  # no session is the likely answer
+                if name == "end" and adapter.engine in run.begin_failed:  # no session is the likely answer
                     logger.warning("after a failed begin (a session may not be open): %s", failure)
+                    self._open_sessions.discard(adapter.engine)
                 else:
                     found.append(failure)
         return found
 
-    @staticmethod
-    async def _timed_check(name: str, run, adapters, phases: dict[str, float]) -> list[ReplicaFailure]:
+    async def _end(self, adapter: P2PReplicaAdapter) -> None:
+        await adapter.end_session()
+        self._open_sessions.discard(adapter.engine)
+
+    # ---- the push ----------------------------------------------------------------------------------------------
+
+    async def _push_with_retries(self, run: _Run, push: Push) -> set[TargetRank]:
+        """Push; then re-push the targets it left unknown (`p2p_push_retries` times, their rank info re-read
+        first). Returns the targets still unknown; their failures are in `run.failures` only then."""
+        connection = run.connection
+        failures: list[ReplicaFailure] = []
+        unknown: set[TargetRank] = set()
         t0 = time.perf_counter()
         try:
-            await run(adapters)
+            run.metrics = dict(await push(connection) or {})
+        except Exception as exc:
+            unknown = _unknown_after(exc, connection)
+            failures.append(ReplicaFailure("push", None, None, exc))
+            run.note_unknown(unknown, "push failed")
+        finally:
+            run.phases["push"] = time.perf_counter() - t0
+        for attempt in range(1, self.config.p2p_push_retries + 1):
+            if not unknown:
+                break
+            t0 = time.perf_counter()
+            retry, found = await self._retry_connection(unknown)
+            failures += found
+            for failure in found:
+                run.reasons[failure.engine] = (
+                    run.reasons.get(failure.engine, "its bytes are unknown after the push")
+                    + f"; its rank info could not be re-read for re-push {attempt}: {_first_line(failure.error)}"
+                )
+            if retry is None:
+                break
+            logger.warning(
+                "p2p: re-pushing %d target(s) the push left unknown (attempt %d of %d): %s",
+                len(retry.targets),
+                attempt,
+                self.config.p2p_push_retries,
+                ", ".join(map(str, retry.targets)),
+            )
+            run.retried += retry.targets
+            try:
+                metrics = dict(await push(retry) or {})
+                unknown -= set(retry.targets)
+                if not run.metrics:
+                    run.metrics = metrics
+            except Exception as exc:
+                again = _unknown_after(exc, retry)
+                unknown = (unknown - set(retry.targets)) | again
+                failures.append(ReplicaFailure(f"push retry {attempt}", None, None, exc))
+                run.note_unknown(again, f"push and {attempt} re-push(es) failed")
+            finally:
+                run.phases[f"push_retry_{attempt}"] = time.perf_counter() - t0
+        if unknown:
+            run.failures += failures
+        elif failures:
+            logger.warning("p2p: the push failed, its re-push succeeded: %s", "; ".join(map(str, failures)))
+        return unknown
+
+    async def _retry_connection(self, unknown: set[TargetRank]) -> tuple[Connection | None, list[ReplicaFailure]]:
+        """A partial Connection over the unknown targets, their engines' rank info re-read (every target of an
+        engine whose info changed: a restarted server)."""
+        engines = sorted({t.engine for t in unknown if t.engine in self._adapters})
+        probed = [self._adapters[e] for e in engines]
+        results = dict(zip(engines, await self._probe_all(probed, force=True), strict=True))
+        failures = [
+            ReplicaFailure("reconnect", e, self._adapters[e].url, r)
+            for e, r in results.items()
+            if isinstance(r, BaseException)
+        ]
+        ok = {e for e, r in results.items() if not isinstance(r, BaseException)}
+        adapters = [a for a in self.adapters if a.engine in ok or a.engine in self._answers]
+        every = [results[a.engine] if a.engine in ok else (self._answers[a.engine], False) for a in adapters]
+        full, reconnected, found = self._assemble(adapters, every, step="reconnect")
+        failures += found
+        ok -= {f.engine for f in found}
+        changed = full.changed_engines if reconnected else frozenset()
+        targets = sorted(t for t in full.targets if t.engine in ok and (t in unknown or t.engine in changed))
+        if not targets:
+            return None, failures
+        partial = Connection(
+            generation=self._next_generation(),
+            server_infos={e: full.server_infos[e] for e in sorted({t.engine for t in targets})},
+            rank_infos={t: full.rank_infos[t] for t in targets},
+            layouts={t: full.layouts[t] for t in targets},
+            changed_engines=frozenset(t.engine for t in targets),
+            partial=True,
+        )
+        return partial, failures
+
+    # ---- after the push: each replica on its own ----------------------------------------------------------------
+
+    async def _finish(self, run: _Run, adapters: list[P2PReplicaAdapter], unknown: set[TargetRank]) -> list:
+        """Version, end, [compare], resume KV, flush and resume every replica whose targets all completed;
+        park the others (end, resume KV; never resume). Returns the replicas resumed."""
+        bad = {t.engine for t in unknown}
+        good = [a for a in adapters if a.engine not in bad]
+        parked = [a for a in adapters if a.engine in bad]
+        for adapter in parked:
+            self._stale[adapter.engine] = run.stale[adapter.engine] = run.reasons.get(
+                adapter.engine, "its bytes are unknown after the push"
+            )
+
+        async def forward() -> list[P2PReplicaAdapter]:
+            live = list(good)
+            live = run.drop(live, await run.step("bump_version", live, lambda a: a.bump_version(run.version)))
+            ending = [a for a in live if a.engine in self._open_sessions]
+            live = run.drop(live, await run.step("end", ending, self._end))
+            if live and self.checker is not None and self.checker.wants_compare:
+                found = await self._timed_check(run, "check_compare", self.checker.compare, live)
+                for failure in found:
+                    engines = getattr(failure.error, "engines", None) or {a.engine for a in live}
+                    run.failures.append(failure)
+                    for adapter in live:
+                        if adapter.engine in engines:
+                            run.mark_stale(adapter, f"check_compare failed: {_first_line(failure.error)}")
+                live = [a for a in live if a.engine not in run.stale]
+            released = [a for a in live if a in run.released]
+            live = run.drop(live, await run.step("resume_kv", released, lambda a: a.resume_kv()))
+            live = run.drop(live, await run.step("flush_cache", live, lambda a: a.flush_cache()))
+            found = await run.step("resume", live, lambda a: a.resume())
+            run.cleanup += found
+            return [a for a in live if a.engine not in {f.engine for f in found}]
+
+        t0 = time.perf_counter()
+        resumed, *found = await asyncio.gather(forward(), *(self._park(run, a) for a in parked))
+        late = [a for a in good if a.engine in run.stale]  # a step after the push failed on them
+        found += await asyncio.gather(*(self._park(run, a) for a in late))
+        run.cleanup += [f for failures in found for f in failures]
+        for adapter in good:
+            if adapter.engine in run.stale:
+                self._stale[adapter.engine] = run.stale[adapter.engine]
+            else:
+                self._stale.pop(adapter.engine, None)
+        if parked or late:
+            run.phases["park"] = time.perf_counter() - t0
+        return resumed
+
+    async def _park(self, run: _Run, adapter: P2PReplicaAdapter) -> list[ReplicaFailure]:
+        """A stale replica: end its session and resume its KV where possible; generation stays paused."""
+        return await self._restore_one(run, adapter, adapter in run.released, resume=False)
+
+    async def _timed_check(self, run: _Run, name: str, check, adapters) -> list[ReplicaFailure]:
+        t0 = time.perf_counter()
+        try:
+            await check(adapters)
             return []
         except Exception as exc:
             return [ReplicaFailure(name, None, None, exc)]  # the checker's message names each replica
         finally:
-            phases[name] = time.perf_counter() - t0
+            run.phases[name] = time.perf_counter() - t0
 
     def close(self) -> None:
         for adapter in self._adapters.values():
             adapter.close()
+
+
+class _Run:
+    """One sync's bookkeeping: step timings, failures, which replicas were released/begun, the stale ones."""
+
+    def __init__(self, lifecycle: SyncLifecycle, version: str) -> None:
+        self.version = version
+        self.start = time.perf_counter()
+        self.phases: dict[str, float] = {}
+        self.failures: list[ReplicaFailure] = []
+        self.cleanup: list[ReplicaFailure] = []
+        self.released: list[P2PReplicaAdapter] = []
+        self.begun: list[P2PReplicaAdapter] = []
+        self.reset: list[P2PReplicaAdapter] = []  # the weights checker's reset_tensors was sent to them
+        self.begin_failed: set[int] = set()
+        self.metrics: dict[str, Any] = {}
+        self.connection: Connection | None = lifecycle._connection
+        self.reconnected = False
+        self.retried: list[TargetRank] = []
+        self.reasons: dict[int, str] = {}  # engine -> why the push left its bytes unknown
+        self.stale: dict[int, str] = {}  # engine -> why this sync leaves it paused
+
+    async def step(self, name: str, targets: Sequence[P2PReplicaAdapter], action) -> list[ReplicaFailure]:
+        """`action` on every target in parallel; the failures, each naming its replica."""
+        if not targets:
+            return []
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(action(a) for a in targets), return_exceptions=True)
+        self.phases[name] = time.perf_counter() - t0
+        return [
+            ReplicaFailure(name, a.engine, a.url, r)
+            for a, r in zip(targets, results, strict=True)
+            if isinstance(r, BaseException)
+        ]
+
+    def stop_on(self, found: list[ReplicaFailure]) -> None:
+        if found:
+            self.failures.extend(found)
+            raise _Stop
+
+    def note_unknown(self, targets: Iterable[TargetRank], what: str) -> None:
+        ranks: dict[int, list[int]] = {}
+        for t in sorted(targets):
+            ranks.setdefault(t.engine, []).append(t.rank)
+        for engine, which in ranks.items():
+            self.reasons[engine] = f"rank(s) {which} not fully written ({what})"
+
+    def mark_stale(self, adapter: P2PReplicaAdapter, reason: str) -> None:
+        self.stale.setdefault(adapter.engine, reason)
+
+    def drop(self, live: list[P2PReplicaAdapter], found: list[ReplicaFailure]) -> list[P2PReplicaAdapter]:
+        """A step after the push failed on these replicas: they turn stale, the others go on."""
+        self.failures += found
+        for failure in found:
+            self.stale.setdefault(failure.engine, f"{failure.step} failed: {_first_line(failure.error)}")
+        return [a for a in live if a.engine not in self.stale]
+
+
+def _unknown_after(error: BaseException, connection: Connection) -> set[TargetRank]:
+    """The targets a failed push left unknown: those its exception names, else every target it was given."""
+    pushed = set(connection.targets)
+    named = {t for t in unknown_targets_of(error) or () if t in pushed}
+    return named or pushed
+
+
+def _first_line(error: BaseException, limit: int = 300) -> str:
+    text = str(error).strip().splitlines()
+    return (text[0] if text else type(error).__name__)[:limit]
 
 
 def _changed(known: Mapping[int, RankAnswer], answers: Mapping[int, RankAnswer]) -> bool:

@@ -311,5 +311,6 @@ def push_error(failures: Iterable[TargetFailure]) -> TransferError:
     return TransferError(
         f"weight push failed for {len(failures)} target(s); their weights are now unknown:\n  {lines}\n"
         "Check those rollout servers are alive and reachable from this trainer rank (network, RDMA device, "
-        "firewall), or raise p2p_transfer_timeout if they are only slow; the next sync must rewrite them."
+        "firewall), or raise p2p_transfer_timeout if they are only slow; the next sync must rewrite them.",
+        unknown_targets=[f.target for f in failures],
     )

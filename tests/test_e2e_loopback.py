@@ -38,13 +38,22 @@ def test_e2e_harness_against_loopback(tmp_path):
     plain = [s for s in syncs if s["drill"] is None]
     assert len(plain) == 3 + 3 and all(s["outcome"] == "ok" for s in plain)
     for s in plain:
-        assert [c["name"] for c in s["checks"] if c["ok"]][-1] == "checksums_equal_fresh_rollout"
+        assert {c["name"]: c["ok"] for c in s["checks"]} | {"weights_checker_compare": True} == {
+            "weights_checker_compare": True,
+            "checksums_equal_fresh_rollout": True,
+            "no_stand_in_violations": True,
+        }
     drills = model["drills"]
     assert drills["kill"]["outcome"] == "failed" and "trainer process exited" in drills["kill"]["error"]
     assert drills["kill"]["notes"]["killed_mid_push"] is True
     assert drills["wrong_session"]["outcome"] == "failed" and "127.0.0.1:1" in drills["wrong_session"]["error"]
     assert drills["paused_call"]["outcome"] == "ok"
     assert drills["paused_call"]["checks"]["control_calls_answered_while_paused"] is True
+    for name in ("kill", "wrong_session"):  # unknown bytes: the replica is named stale and stays paused
+        assert drills[name]["notes"]["stale_engines"] == [0]
+        assert drills[name]["checks"]["unknown_weights_not_served"] is True
     for drill in drills.values():
+        assert drill["checks"]["no_stand_in_violations"] is True
         assert drill["recovery_sync"]["outcome"] == "ok"
-        assert drill["recovery_sync"]["checks"] == {"checksums_equal_fresh_rollout": True}
+        recovered = drill["recovery_sync"]["checks"]
+        assert recovered == {"checksums_equal_fresh_rollout": True, "no_stand_in_violations": True}

@@ -8,7 +8,6 @@ generation for fixed token ids. The loopback is the CPU stand-in: it does not ge
 
 from __future__ import annotations
 
-import hashlib
 import os
 import signal
 import socket
@@ -75,10 +74,16 @@ def free_port() -> int:
     return below_grpc_limit("127.0.0.1")
 
 
-def cpu_checksum(tensor: Any) -> str:
-    """SGLang's checksum of a CPU tensor (`tensor_hash`'s CPU path): the first 8 bytes of sha256 of its bytes."""
-    data = tensor.detach().contiguous().view(-1).view(__import__("torch").uint8).numpy()
-    return hashlib.sha256(memoryview(data)).digest()[:8].hex()
+async def checksums_of(name: str, client: Any) -> dict[str, str]:
+    """`weights_checker` action `checksum`: {"tp<rank>:<tensor>": checksum} over every rank of the rollout."""
+    answer = await client.weights_checker("checksum")
+    out = {}
+    for rank in answer.get("ranks") or []:
+        tp = rank["parallelism_info"]["tp_rank"]
+        out.update({f"tp{tp}:{tensor}": value for tensor, value in rank["checksums"].items()})
+    if not out:
+        raise P2PError(f"{name}: weights_checker checksum returned no checksums: {answer}")
+    return out
 
 
 class SGLangServer:
@@ -178,14 +183,7 @@ class SGLangServer:
         return list(answer["output_ids"])
 
     async def checksums(self, client: Any) -> dict[str, str]:
-        answer = await client.weights_checker("checksum")
-        out = {}
-        for rank in answer.get("ranks") or []:
-            tp = rank["parallelism_info"]["tp_rank"]
-            out.update({f"tp{tp}:{name}": value for name, value in rank["checksums"].items()})
-        if not out:
-            raise P2PError(f"{self.name}: weights_checker checksum returned no checksums: {answer}")
-        return out
+        return await checksums_of(self.name, client)
 
     def stop(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
@@ -241,16 +239,18 @@ class LoopbackRollout:
         return None  # the stand-in does not generate
 
     async def checksums(self, client: Any) -> dict[str, str]:
-        import asyncio
+        return await checksums_of(self.name, client)
 
-        def dump_all() -> dict[str, str]:
-            return {
-                f"tp{rank}:{name}": cpu_checksum(tensor)
-                for rank in range(self.engine.spec.tp)
-                for name, tensor in self.engine.dump(rank).items()
-            }
+    def serving(self) -> bool:
+        """Whether generation would be served now (the control plane is not paused)."""
+        return not self.engine.state()["paused"]
 
-        return await asyncio.to_thread(dump_all)
+    def violations(self, since: int) -> list[dict]:
+        """What SGLang allows but p2p must never do (stale prefix cache served, resumed in a session), recorded."""
+        return self.engine.violations(since)
+
+    def event_count(self) -> int:
+        return len(self.engine.events())
 
     def stop(self) -> None:
         self.engine.stop()

@@ -100,6 +100,7 @@ class Harness:
         self.applied: tuple[int, int] | None = None  # (trainer instance, plan generation) the trainer holds
         self.trainer_instance = 0
         self.held = 0  # the weight set the rollout holds now
+        self.stale = False  # the last sync left the rollout paused with unknown weights
 
     # ---- set-up -----------------------------------------------------------------------------------------------
 
@@ -216,8 +217,8 @@ class Harness:
         index = len(self.records)
         record = SyncRecord(index=index, version=str(index + 1), weights=weights, drill=drill, outcome="ok")
         self.records.append(record)
-        before = await self._generate(self.rollout, self.client)  # cached prefix with the weights held now
-        record.notes["generation_before"] = before
+        if not self.stale:  # cached prefix with the weights held now (a stale rollout is paused: it would wait)
+            record.notes["generation_before"] = await self._generate(self.rollout, self.client)
         self.trainer.call("weights", weights)
         side_tasks: dict[str, asyncio.Task] = {}
         marker = self.workdir / f"stalled-{index}"
@@ -230,6 +231,7 @@ class Harness:
                 return await self._killed_push(marker, record)
             return await asyncio.to_thread(self.trainer.call, "push", {})
 
+        events_before = self.rollout.event_count() if not self.rollout.generates else 0
         t0 = time.perf_counter()
         try:
             report = await self.lifecycle.sync(record.version, push)
@@ -238,7 +240,8 @@ class Harness:
             record.paused_s = round(record.phases.get("total", 0.0), 4)
         except SyncError as exc:
             record.outcome, record.error = "failed", str(exc)
-            record.notes["stale_engines"] = sorted(getattr(exc, "stale_engines", []) or [])
+            record.notes["stale_engines"] = sorted(exc.stale_engines)
+        self.stale = record.outcome != "ok" and bool(record.notes.get("stale_engines"))
         record.notes["wall_s"] = round(time.perf_counter() - t0, 4)
         if drill == "kill":  # a new trainer process, as a restarted trainer node would come back
             self.trainer = self._trainer()
@@ -248,6 +251,11 @@ class Harness:
             await self._verify(record, weights)
         else:
             await self._after_failure(record)
+        if not self.rollout.generates:  # the stand-in records what real SGLang would silently do wrong
+            violations = self.rollout.violations(events_before)
+            record.checks.append(
+                Check("no_stand_in_violations", not violations, "; ".join(v["path"] for v in violations))
+            )
         for name, task in side_tasks.items():
             await self._side_result(record, name, task, weights)
         return record
@@ -281,7 +289,10 @@ class Harness:
         except Exception as exc:  # noqa: BLE001 - recorded
             serviceable, record.notes["server_info_error"] = False, str(exc)
         record.checks.append(Check("server_serviceable_after_failure", serviceable and self.rollout.alive()))
-        if self.rollout.generates:
+        if not self.rollout.generates:
+            paused = not self.rollout.serving()
+            record.checks.append(Check("unknown_weights_not_served", paused, "paused" if paused else "resumed"))
+        else:
             try:
                 served = await self._generate(self.rollout, self.client, timeout=5)
                 record.notes["served_after_failure"] = served

@@ -169,7 +169,10 @@ class TrainerProcess:
         return self._answer("start", timeout_s)
 
     def call(self, command: str, arg: Any = None, timeout_s: float = 600) -> Any:
-        self._conn.send((command, arg))
+        try:
+            self._conn.send((command, arg))
+        except OSError as exc:  # the pipe's other end is gone
+            raise TrainerDied(f"trainer process exited (code {self._proc.exitcode}) before {command!r}") from exc
         return self._answer(command, timeout_s)
 
     def _answer(self, command: str, timeout_s: float) -> Any:

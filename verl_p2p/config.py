@@ -40,6 +40,7 @@ class P2PConfig:
     check_weight_update_skip_list: tuple[str, ...] = ()
     export_mode: str = "auto"
     release_buffers_on_save: bool = True
+    plan_cache_dir: str | None = None  # captured write plans on disk; None: ~/.cache/verl_p2p/plans, "": no cache
     extra: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -83,6 +84,8 @@ class P2PConfig:
         for key in ("check_weight_update_equal", "check_weight_update_allow_quant_error", "release_buffers_on_save"):
             if not isinstance(getattr(self, key), bool):
                 errors.append(f"{key}={getattr(self, key)!r} (true or false)")
+        if self.plan_cache_dir is not None and not isinstance(self.plan_cache_dir, str):
+            errors.append(f"plan_cache_dir={self.plan_cache_dir!r} (a directory path, or '' to disable the plan cache)")
         if not all(isinstance(s, str) for s in self.check_weight_update_skip_list):
             errors.append("check_weight_update_skip_list (a list of tensor names)")
         if errors:

@@ -55,6 +55,7 @@ def main() -> int:
     parser.add_argument("--ranks", default="all", help="'all' or a comma list of rank indices")
     parser.add_argument("--layers", type=int, default=None, help="shorten the models (default: the real depth)")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--append", action="store_true", help="add to the results already in --out")
     args = parser.parse_args()
 
     from verl_p2p.sandbox.cpu_stubs import install_cpu_stubs
@@ -91,21 +92,21 @@ def main() -> int:
                 for rank in ranks:
                     layout = layout_from_server_args(server_args, rank)
                     gc.collect()
-                    t0 = time.perf_counter()
+                    c0, t0 = time.process_time(), time.perf_counter()
                     ctx = RankContext(server_args, layout, cfg)
                     t1 = time.perf_counter()
                     model = build_meta_model(ctx)
                     t2 = time.perf_counter()
                     plan = capture_write_plan(ctx, model, specs)
-                    t3 = time.perf_counter()
+                    t3, c3 = time.perf_counter(), time.process_time()
                     key = PlanKey(version, digest, layout, plan_fingerprint(server_args, fields))
                     path = PlanCache(cache_dir).save(key, plan)
                     t4 = time.perf_counter()
                     del model, ctx
                     gc.collect()
-                    t5 = time.perf_counter()
+                    c5, t5 = time.process_time(), time.perf_counter()
                     again = PlanCache(cache_dir).load(key)
-                    t6 = time.perf_counter()
+                    t6, c6 = time.perf_counter(), time.process_time()
                     assert again == plan, "the cached plan differs from the captured one"
                     try:
                         check_syncable(plan)
@@ -123,11 +124,13 @@ def main() -> int:
                         "hf_tensors": len(plan.hf_specs),
                         "rank_bytes": plan.nbytes,
                         "cold_s": t3 - t0,
+                        "cold_cpu_s": c3 - c0,
                         "cold_context_s": t1 - t0,
                         "cold_model_s": t2 - t1,
                         "cold_capture_s": t3 - t2,
                         "cache_save_s": t4 - t3,
                         "cache_load_s": t6 - t5,
+                        "cache_load_cpu_s": c6 - c5,
                         "cache_file_bytes": os.path.getsize(path),
                         "plan_memory_bytes": deep_size(plan),
                         "plan_memory_from_cache_bytes": deep_size(again),
@@ -137,18 +140,26 @@ def main() -> int:
                     results.append(row)
                     print(json.dumps(row), flush=True)
                     del plan, again
-    out = {
+    run = {
         "command": "PYTHONPATH=$PWD .venv/bin/python scripts/measure_plan_capture.py " + " ".join(sys.argv[1:]),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores (shared with other jobs: timings are upper "
-        "bounds), no GPU",
-        "load_average_at_end": os.getloadavg(),
         "sglang_version": version,
         "torch_version": torch.__version__,
         "sglang_import_s": import_s,
         "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "load_average_at_end": os.getloadavg(),
         "results": results,
     }
+    out = {
+        "what": "rollout write-plan capture on meta at real model shapes: seconds cold (rank context + meta model "
+        "+ capture; the process-wide SGLang import apart) and from the plan cache, plan memory per rank",
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores shared with other jobs (load average above "
+        "the core count: wall seconds are upper bounds, *_cpu_s is this process's CPU time), no GPU",
+        "runs": [run],
+    }
     if args.out:
+        if args.append and os.path.exists(args.out):
+            with open(args.out) as f:
+                out["runs"] = json.load(f)["runs"] + [run]
         with open(args.out, "w") as f:
             json.dump(out, f, indent=2)
             f.write("\n")

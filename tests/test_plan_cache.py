@@ -22,7 +22,7 @@ from verl_p2p.sandbox.tiny import hf_tensor_shapes, tiny_config_dict, tiny_state
 install_cpu_stubs()
 
 from verl_p2p.replica import PlanCache, RankReplica, default_plan_cache_dir  # noqa: E402
-from verl_p2p.replica.plan_cache import plan_from_json, plan_to_json  # noqa: E402
+from verl_p2p.replica.plan_cache import plan_from_json, plan_to_json, read_entry  # noqa: E402
 from verl_p2p.replica.stream import plan_rank  # noqa: E402
 
 ARGS = {"tp_size": 2, "ep_size": 2, "dtype": "float32", "device": "cpu"}
@@ -55,6 +55,8 @@ def test_miss_then_hit_gives_the_captured_plan(tiny, tmp_path):
     assert uncached.plan == first.plan and uncached.key == first.key
     # the JSON form round-trips every field (also the fills SGLang pads the vocab with)
     assert plan_from_json(json.loads(json.dumps(plan_to_json(first.plan)))) == first.plan
+    key, carried = read_entry(_entries(cache)[0])  # what a GPU host without SGLang reads
+    assert carried == first.plan and key["layout"]["tp_rank"] == 0 and key["sglang_version"].startswith("0.5.12")
 
 
 def test_a_cached_replica_builds_its_model_only_when_sglang_is_called(tiny, tmp_path):

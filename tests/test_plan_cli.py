@@ -90,6 +90,26 @@ def test_plan_model_bytes_per_link_equal_the_hand_count(tiny_model, tmp_path, ca
     assert f"e0r0:{hand[0] / 1e6:.2f}MB" in captured.out and "convert: 0.05 GB/s" in captured.out
 
 
+def test_a_checkpoint_dir_plans_from_its_safetensors_headers(tiny_model, tmp_path, capsys):
+    from verl_p2p.sandbox.tiny import write_tiny_checkpoint
+
+    path, cfg = tiny_model
+    ckpt = write_tiny_checkpoint(tmp_path / "ckpt", "qwen3_moe")
+    common = ["--trainer", "tp=1,ep=2", "--rollout", "tp=2,ep=2", "--plan-cache-dir", str(tmp_path / "p"), "--json"]
+    assert cli_main(["plan", "--model", str(ckpt), *common]) == 0
+    from_dir = json.loads(capsys.readouterr().out)
+    assert cli_main(["plan", "--model", str(path), *common]) == 0
+    from_config = json.loads(capsys.readouterr().out)
+    assert from_dir["links"] == from_config["links"] and from_dir["hf_tensors"] == len(hf_tensor_specs(cfg))
+    hand = _hand_count_per_stage(cfg, tp=2, ep=2)
+    assert [x["bytes"] for x in from_dir["links"]] == [hand[0] + hand[1]] * 2
+
+
+def test_unknown_model_types_are_named():
+    with pytest.raises(ValueError, match="model_type='llama'.*safetensors"):
+        hf_tensor_specs({"model_type": "llama"})
+
+
 def test_bad_layout_specs_are_named(tiny_model, capsys):
     path, _ = tiny_model
     with pytest.raises(SystemExit):

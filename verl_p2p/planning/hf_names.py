@@ -132,7 +132,10 @@ def pp_stage_of(hf_name: str, num_layers: int, pp: int) -> int:
     """The trainer pipeline stage that exports `hf_name` under Megatron's even layer split: embeddings on the
     first stage, the final norm and the LM head on the last, decoder layer i on stage i // (layers / pp)."""
     if num_layers % pp:
-        raise ValueError(f"{num_layers} layers do not split evenly over pp={pp} stages")
+        raise ValueError(
+            f"{num_layers} layers do not split evenly over pp={pp} stages (Megatron's default split); "
+            f"choose a pp that divides {num_layers}"
+        )
     layer = layer_of(hf_name)
     if layer is None:
         return 0 if hf_name.startswith("model.embed_tokens.") else pp - 1

@@ -218,7 +218,7 @@ PUBLISHED_SYNCS: tuple[PublishedSync, ...] = (
         "qwen3-235b-a22b",
         (3.16, 3.16),
         "16 H100 nodes with InfiniBand, trainer and rollout on separate GPUs",
-        Parallelism(tp=4, pp=4, ep=16, dp=4),
+        Parallelism(tp=4, pp=2, ep=16, dp=8),
         Parallelism(tp=8, ep=8, engines=8),
         "the 64 + 64 GPU split and the parallelism of both sides",
     ),

@@ -54,9 +54,12 @@ def default_plan_cache_dir() -> Path:
 
 def config_digest(hf_config: Mapping[str, Any], hf_specs: HFSpecs) -> str:
     """Digest of the HF config and the HF tensor list (names, shapes, dtypes, in checkpoint order)."""
-    config_text = json.dumps(dict(hf_config), sort_keys=True, default=str)
-    specs_text = json.dumps([(n, list(s), str(d)) for n, (s, d) in hf_specs.items()])
-    return hashlib.sha256((config_text + specs_text).encode()).hexdigest()
+    dtype_names: dict[torch.dtype, str] = {}
+    h = hashlib.sha256(json.dumps(dict(hf_config), sort_keys=True, default=str).encode())
+    for name, (shape, dtype) in hf_specs.items():
+        dtype_name = dtype_names.get(dtype) or dtype_names.setdefault(dtype, str(dtype))
+        h.update(f"\n{name}:{tuple(shape)}:{dtype_name}".encode())
+    return h.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -82,10 +85,16 @@ class PlanKey:
         return hashlib.sha256(json.dumps(self.as_json(), sort_keys=True).encode()).hexdigest()
 
 
+_DTYPES: dict[str, torch.dtype] = {}
+
+
 def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}")
+    dtype = _DTYPES.get(name)
+    if dtype is None:
+        dtype = getattr(torch, name.removeprefix("torch."), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"unknown dtype {name!r}")
+        _DTYPES[name] = dtype
     return dtype
 
 
@@ -98,13 +107,18 @@ def plan_to_json(plan: WritePlan) -> dict:
         source = None if s is None else [index[s.hf_name], s.offset, list(s.shape), list(s.stride)]
         return [w.op, w.offset, list(w.shape), list(w.stride), source, w.fill_value, [index[f] for f in w.feeds]]
 
+    dtype_names: dict[torch.dtype, str] = {}
+
+    def dtype_name(dtype: torch.dtype) -> str:
+        return dtype_names.get(dtype) or dtype_names.setdefault(dtype, str(dtype).removeprefix("torch."))
+
     return {
-        "hf": [[n, list(shape), str(dtype).removeprefix("torch.")] for n, (shape, dtype) in plan.hf_specs.items()],
+        "hf": [[n, list(shape), dtype_name(dtype)] for n, (shape, dtype) in plan.hf_specs.items()],
         "params": [
             [
                 p.name,
                 list(p.shape),
-                str(p.dtype).removeprefix("torch."),
+                dtype_name(p.dtype),
                 p.nbytes,
                 [index[f] for f in p.feeds],
                 [write(w) for w in p.writes],
@@ -118,7 +132,9 @@ def plan_to_json(plan: WritePlan) -> dict:
 def plan_from_json(data: Mapping[str, Any]) -> WritePlan:
     """Inverse of `plan_to_json` (HF names are shared string objects, not copies per use)."""
     names = [str(n) for n, _, _ in data["hf"]]
-    hf_specs = {name: (tuple(shape), _dtype(dtype)) for name, (_, shape, dtype) in zip(names, data["hf"], strict=True)}
+    hf_specs = {name: (tuple(shape), _dtype(dtype)) for name, shape, dtype in data["hf"]}
+    if list(hf_specs) != names:
+        raise ValueError("duplicate HF tensor names")
 
     def write(raw: list) -> RecordedWrite:
         op, offset, shape, stride, source, fill_value, feeds = raw
@@ -163,6 +179,15 @@ def _atomic_write(path: Path, text: str) -> None:
         except FileNotFoundError:
             pass
         raise
+
+
+def read_entry(path: str | os.PathLike) -> tuple[dict, WritePlan]:
+    """(key as JSON, plan) of one cache entry, checksum verified; for carrying plans to a host without SGLang."""
+    header_line, body = Path(path).read_text().split("\n", 1)
+    header = json.loads(header_line)
+    if header.get("sha256") != hashlib.sha256(body.encode()).hexdigest():
+        raise ValueError(f"{path}: checksum mismatch (truncated or modified)")
+    return header["key"], plan_from_json(json.loads(body))
 
 
 class PlanCache:
@@ -237,4 +262,4 @@ class PlanCache:
         _atomic_write(self._fields_path(version), text)
 
 
-__all__ = ["PlanCache", "PlanKey", "config_digest", "default_plan_cache_dir"]
+__all__ = ["PlanCache", "PlanKey", "config_digest", "default_plan_cache_dir", "read_entry"]

@@ -10,6 +10,7 @@ than a buffer slot is produced in byte ranges by replaying the recorded writes (
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -293,6 +294,7 @@ class RankReplica:
         self._model = model
         self._param_objects: dict[str, torch.nn.Parameter] | None = None
         self._named_memo: dict[tuple, list] = {}
+        self._lazy = threading.Lock()  # one context / model per replica, whichever thread asks first
 
     @classmethod
     def build(
@@ -316,28 +318,33 @@ class RankReplica:
     @property
     def ctx(self) -> RankContext:
         """The rank's SGLang state (built on first use)."""
-        if self._ctx is None:
-            ctx = RankContext(self.server_args, self._layout, self.hf_config)
-            if (base_version(ctx.version), ctx.layout.key, ctx.fingerprint) != self.key[:3]:
-                raise ReplicaLoadError(
-                    f"the rank context of {self._layout} (SGLang {ctx.version}) does not match the plan's key "
-                    f"{self.key[:3]}: the installed SGLang changed since the plan was made; rebuild the replica"
-                )
-            self._ctx = ctx
-        return self._ctx
+        with self._lazy:
+            if self._ctx is None:
+                ctx = RankContext(self.server_args, self._layout, self.hf_config)
+                if (base_version(ctx.version), ctx.layout.key, ctx.fingerprint) != self.key[:3]:
+                    raise ReplicaLoadError(
+                        f"the rank context of {self._layout} (SGLang {ctx.version}) does not match the plan's key "
+                        f"{self.key[:3]}: the installed SGLang changed since the plan was made; rebuild the replica"
+                    )
+                self._ctx = ctx
+            return self._ctx
 
     @property
     def model(self) -> torch.nn.Module:
         """The rank's SGLang model on `meta` (built on first use)."""
-        if self._model is None:
-            self._model = build_meta_model(self.ctx)
-        return self._model
+        ctx = self.ctx
+        with self._lazy:
+            if self._model is None:
+                self._model = build_meta_model(ctx)
+            return self._model
 
     @property
     def _params(self) -> dict[str, torch.nn.Parameter]:
-        if self._param_objects is None:
-            self._param_objects = dict(self.model.named_parameters())
-        return self._param_objects
+        model = self.model
+        with self._lazy:
+            if self._param_objects is None:
+                self._param_objects = dict(model.named_parameters())
+            return self._param_objects
 
     @property
     def layout(self) -> RankLayout:

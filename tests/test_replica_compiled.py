@@ -78,7 +78,9 @@ def test_forced_fallback_is_exact_and_logged_once(moe_bf16, caplog):
     p = ref.plan.params[name]
     writes = (dataclasses.replace(p.writes[0], source=None),) + p.writes[1:]
     plan = dataclasses.replace(ref.plan, params={**ref.plan.params, name: dataclasses.replace(p, writes=writes)})
-    forced = RankReplica(ref.ctx, ref.model, plan, key=ref.key + ("forced",))
+    forced = RankReplica(
+        ref.server_args, ref.layout, ref.hf_config, plan, key=ref.key + ("forced",), ctx=ref.ctx, model=ref.model
+    )
     with caplog.at_level(logging.WARNING, logger="verl_p2p.replica.compiled"):
         ex = CompiledReplica(forced)
         again = CompiledReplica(forced)  # a new plan generation with the same replica: not logged again

@@ -46,6 +46,7 @@ class P2PConfig:
     executor: str = "compiled"  # HF -> rollout bytes: compiled copy programs, or SGLang's load_weights per param
     verify_first_push: bool = False  # check the first push of each plan generation against SGLang's loader
     staging: str = "auto"  # transfer slots in GPU memory (gpu), pinned host memory (pinned), or choose (auto)
+    plan_cache_dir: str | None = None  # captured write plans on disk; None: ~/.cache/verl_p2p/plans, "": no cache
     extra: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -97,6 +98,8 @@ class P2PConfig:
         ):
             if not isinstance(getattr(self, key), bool):
                 errors.append(f"{key}={getattr(self, key)!r} (true or false)")
+        if self.plan_cache_dir is not None and not isinstance(self.plan_cache_dir, str):
+            errors.append(f"plan_cache_dir={self.plan_cache_dir!r} (a directory path, or '' to disable the plan cache)")
         if not all(isinstance(s, str) for s in self.check_weight_update_skip_list):
             errors.append("check_weight_update_skip_list (a list of tensor names)")
         if errors:

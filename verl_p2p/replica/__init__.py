@@ -1,8 +1,9 @@
 """Trainer-side replica of one SGLang rollout rank: HF tensors -> that rank's exact parameter bytes.
 
-`RankReplica.build(hf_config, server_args, layout, hf_specs)` is the entry point (see `stream.py`); it is
-the reference executor (SGLang's loader per parameter). `CompiledReplica` (`compiled.py`) runs the same plan
-as batched torch copies. SGLang is imported lazily, when a replica is built.
+`RankReplica.build(hf_config, server_args, layout, hf_specs, cache=None)` is the entry point (see `stream.py`); it
+is the reference executor (SGLang's loader per parameter). `CompiledReplica` (`compiled.py`) runs the same plan as
+batched torch copies. `PlanCache` keeps captured write plans on disk (`plan_cache.py`). SGLang is imported lazily,
+when a replica first calls it.
 """
 
 from verl_p2p.replica.compiled import CompiledPlanMismatchError, CompiledReplica, make_executor
@@ -13,7 +14,9 @@ from verl_p2p.replica.plan import (
     WritePlan,
     WritePlanError,
     check_hf_coverage,
+    check_syncable,
 )
+from verl_p2p.replica.plan_cache import PlanCache, PlanKey, default_plan_cache_dir
 from verl_p2p.replica.rank_context import (
     SUPPORTED_SGLANG_VERSIONS,
     RankContext,
@@ -28,6 +31,8 @@ __all__ = [
     "CompiledReplica",
     "CompletenessStager",
     "ParamPlan",
+    "PlanCache",
+    "PlanKey",
     "RankContext",
     "RankReplica",
     "RecordedWrite",
@@ -38,5 +43,7 @@ __all__ = [
     "WritePlanError",
     "check_hf_coverage",
     "make_executor",
+    "check_syncable",
+    "default_plan_cache_dir",
     "rank_context",
 ]

@@ -10,12 +10,13 @@ written exactly once, and (across ranks) every HF tensor used somewhere.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import gc
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from verl_p2p.errors import UnsupportedLayoutError
 from verl_p2p.replica.rank_context import RankContext
@@ -88,6 +89,8 @@ class WritePlan:
 
     params: dict[str, ParamPlan]
     hf_specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)
+    # non-parameter tensors SGLang computes from the checkpoint (a p2p write would leave them stale)
+    derived: tuple[str, ...] = ()
 
     @property
     def used_hf_names(self) -> set[str]:
@@ -114,49 +117,91 @@ def _scalar(value):
     return value
 
 
+def _tensors_in(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors among an aten op's arguments (tensors and tensor lists: schemas nest no deeper)."""
+    found = []
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, (list, tuple)):
+            found.extend(v for v in value if isinstance(v, torch.Tensor))
+    return found
+
+
 class _WriteRecorder(TorchDispatchMode):
-    """Records writes into parameter storages and tracks which HF tensors every storage's data came from."""
+    """Records writes into parameter storages and tracks which HF tensors every storage's data came from.
+
+    It sees every op `load_weights` runs, most of them SGLang's bookkeeping on small CPU tensors (the expert
+    map lookups of every expert of every layer), so the common cases are kept cheap: ops without a meta
+    tensor are passed through (checkpoint data only ever lives on meta here), the mutated arguments of an
+    op are found once per op from its schema, and ops that neither write nor read checkpoint-derived data
+    only forget the origin of the storages they create.
+    """
 
     def __init__(self, params: Mapping[str, torch.Tensor], hf: Mapping[str, torch.Tensor]):
         super().__init__()
         self.param_of = {_storage_key(p): name for name, p in params.items()}
         self.dtype_of = {name: p.dtype for name, p in params.items()}
         self.hf_of = {_storage_key(t): name for name, t in hf.items()}
+        # storage -> the HF tensors its data came from (only non-empty origins are kept)
         self.origins: dict[int, frozenset[str]] = {k: frozenset([n]) for k, n in self.hf_of.items()}
-        for k in self.param_of:
-            self.origins[k] = frozenset()
         self.writes: dict[str, list[RecordedWrite]] = {name: [] for name in params}
         self.input_mutations: list[tuple[str, str]] = []
+        self._mutated_args: dict = {}
 
-    def _origin(self, t: torch.Tensor) -> frozenset[str]:
-        return self.origins.get(_storage_key(t), frozenset())
+    def _mutated(self, func) -> tuple[tuple[int, str], ...]:
+        found = self._mutated_args.get(func)
+        if found is None:
+            found = tuple(
+                (i, a.name)
+                for i, a in enumerate(func._schema.arguments)
+                if a.alias_info is not None and a.alias_info.is_write
+            )
+            self._mutated_args[func] = found
+        return found
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        flat_in = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        written = []
-        for i, arg in enumerate(func._schema.arguments):
-            if arg.alias_info is not None and arg.alias_info.is_write:
-                value = args[i] if i < len(args) else kwargs.get(arg.name)
-                for t in tree_flatten(value)[0]:
-                    if isinstance(t, torch.Tensor):
-                        written.append(t)
+        inputs = _tensors_in(args, kwargs)
+        outs = out if isinstance(out, (list, tuple)) else (out,)
+        if not any(t.is_meta for t in inputs) and not any(isinstance(o, torch.Tensor) and o.is_meta for o in outs):
+            # SGLang's bookkeeping on real (CPU) tensors: parameters, HF tensors and all their data are on meta
+            return out
+        origins = self.origins
+        in_keys = [_storage_key(t) for t in inputs]
+        mutated = self._mutated(func)
+        written: list[torch.Tensor] = []
+        for i, name in mutated:
+            value = args[i] if i < len(args) else kwargs.get(name)
+            if isinstance(value, torch.Tensor):
+                written.append(value)
+            elif isinstance(value, (list, tuple)):
+                written.extend(v for v in value if isinstance(v, torch.Tensor))
         written_keys = {_storage_key(t) for t in written}
-        sources = [t for t in flat_in if _storage_key(t) not in written_keys]
-        origin = frozenset().union(*(self._origin(t) for t in sources)) if sources else frozenset()
+        origin = frozenset()
+        for key in in_keys:
+            if key not in written_keys:
+                o = origins.get(key)
+                if o:
+                    origin = origin | o
         for t in written:
             key = _storage_key(t)
             if key in self.param_of:
                 self._record(func, t, args, origin)
             elif key in self.hf_of:
                 self.input_mutations.append((self.hf_of[key], str(func)))
-            self.origins[key] = self.origins.get(key, frozenset()) | origin
+            if origin:
+                origins[key] = origins.get(key, frozenset()) | origin
         if not written:
-            in_keys = {_storage_key(t) for t in flat_in}
-            for o in tree_flatten(out)[0]:
-                if isinstance(o, torch.Tensor) and _storage_key(o) not in in_keys:
-                    self.origins[_storage_key(o)] = origin
+            for o in outs:
+                if isinstance(o, torch.Tensor):
+                    key = _storage_key(o)
+                    if key not in in_keys:  # a new storage (views share their input's)
+                        if origin:
+                            origins[key] = origin
+                        else:
+                            origins.pop(key, None)
         return out
 
     def _record(self, func, dst: torch.Tensor, args, origin: frozenset[str]) -> None:
@@ -186,6 +231,25 @@ class _WriteRecorder(TorchDispatchMode):
             )
         )
 
+    def derived_tensors(self, model: torch.nn.Module) -> list[str]:
+        """Module tensors that are not parameters but hold data computed from the checkpoint.
+
+        SGLang builds some after loading (e.g. DeepSeek's MLA `w_kc`/`w_vc` from `kv_b_proj` in
+        `post_load_weights`). A rollout registers only its parameters for remote writes, so such a tensor
+        would keep its old values after a p2p sync.
+        """
+        params = set(self.param_of)
+        found = []
+        for module_name, module in model.named_modules():
+            attrs = {**module._buffers, **{k: v for k, v in vars(module).items() if isinstance(v, torch.Tensor)}}
+            for attr, t in attrs.items():
+                if not isinstance(t, torch.Tensor) or isinstance(t, torch.nn.Parameter) or not t.is_meta:
+                    continue
+                key = _storage_key(t)
+                if key not in params and self.origins.get(key):
+                    found.append(f"{module_name}.{attr}" if module_name else attr)
+        return found
+
 
 def build_meta_model(ctx: RankContext) -> torch.nn.Module:
     """The rank's SGLang model with every parameter on `meta`, built by SGLang's own model class."""
@@ -206,6 +270,54 @@ def meta_hf_tensors(hf_specs: HFSpecs) -> dict[str, torch.Tensor]:
     return {name: torch.empty(tuple(shape), dtype=dtype, device="meta") for name, (shape, dtype) in hf_specs.items()}
 
 
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """A capture allocates ~10 objects per HF tensor; with SGLang loaded the heap holds ~700k objects, and the
+    collections those allocations trigger cost ~20% of a capture (measured). Nothing cyclic is freed meanwhile."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+@contextmanager
+def _expert_map_lookups_unrecorded() -> Iterator[None]:
+    """SGLang's expert weight loader asks the expert-location map (a CPU tensor) where every logical expert of
+    every layer lives, also for experts other ranks hold; under the recorder each of those small CPU ops pays
+    the dispatch mode's Python entry (a third of a capture at 128 experts x 94 layers, measured). The answers
+    are the same with the recorder off (no meta tensor is involved), so they are computed outside it, once per
+    question. Call inside the rank context; without such a map (dense models, other releases) nothing changes.
+    """
+    try:
+        from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
+    except ImportError:  # pragma: no cover - every tested release has it
+        yield
+        return
+    metadata = get_global_expert_location_metadata()
+    original = getattr(metadata, "logical_to_all_physical", None)
+    if metadata is None or original is None or "logical_to_all_physical" in vars(metadata):
+        yield
+        return
+    answers: dict[tuple, list[int]] = {}
+
+    def logical_to_all_physical(layer_id, logical_expert_id, require_global_experts=False):
+        question = (layer_id, logical_expert_id, require_global_experts)
+        answer = answers.get(question)
+        if answer is None:
+            with _disable_current_modes():
+                answer = answers[question] = list(original(layer_id, logical_expert_id, require_global_experts))
+        return list(answer)
+
+    metadata.logical_to_all_physical = logical_to_all_physical
+    try:
+        yield
+    finally:
+        del metadata.logical_to_all_physical
+
+
 def capture_write_plan(ctx: RankContext, model: torch.nn.Module, hf_specs: HFSpecs) -> WritePlan:
     """Run SGLang's `load_weights` once over meta HF tensors and record every parameter write."""
     params = dict(model.named_parameters())
@@ -214,10 +326,11 @@ def capture_write_plan(ctx: RankContext, model: torch.nn.Module, hf_specs: HFSpe
             raise WritePlanError(f"parameter {name} was built on {p.device}, not meta: SGLang allocated it directly")
         if not p.is_contiguous() or p.storage_offset() != 0:
             raise WritePlanError(f"parameter {name} is not a contiguous tensor at offset 0; cannot address its bytes")
-    hf = meta_hf_tensors(hf_specs)
-    recorder = _WriteRecorder(params, hf)
-    with ctx, torch.no_grad(), recorder:
-        model.load_weights(iter(list(hf.items())))
+    with _gc_paused():
+        hf = meta_hf_tensors(hf_specs)
+        recorder = _WriteRecorder(params, hf)
+        with ctx, torch.no_grad(), _expert_map_lookups_unrecorded(), recorder:
+            model.load_weights(iter(list(hf.items())))
     if recorder.input_mutations:
         raise WritePlanError(
             f"SGLang's loader modifies its input HF tensors in place ({recorder.input_mutations[:3]}); "
@@ -236,9 +349,25 @@ def capture_write_plan(ctx: RankContext, model: torch.nn.Module, hf_specs: HFSpe
             feeds=tuple(feeds),
             writes=writes,
         )
-    plan = WritePlan(params=plans, hf_specs={k: (tuple(s), d) for k, (s, d) in hf_specs.items()})
+    plan = WritePlan(
+        params=plans,
+        hf_specs={k: (tuple(s), d) for k, (s, d) in hf_specs.items()},
+        derived=tuple(recorder.derived_tensors(model)),
+    )
     validate_write_plan(plan)
     return plan
+
+
+def check_syncable(plan: WritePlan) -> None:
+    """Refuse a model whose rollout derives tensors from the checkpoint outside its parameters."""
+    if plan.derived:
+        raise WritePlanError(
+            f"SGLang computes {len(plan.derived)} non-parameter tensors of this model from its checkpoint after "
+            f"loading (e.g. {list(plan.derived[:3])}, built by the model's post_load_weights); a rollout registers "
+            "only its parameters for remote writes and no SGLang route re-derives them, so a p2p sync would leave "
+            "them stale. Use a model without such post-load processing, or a backend that calls SGLang's "
+            "update_weights"
+        )
 
 
 def _intervals(w: RecordedWrite) -> torch.Tensor:

@@ -226,30 +226,66 @@ def _check_model_level(server_args: Mapping[str, Any], hf: dict) -> None:
         raise UnsupportedLayoutError("p2p replica cannot reproduce this rollout: " + "; ".join(problems))
 
 
+def installed_sglang_version() -> str:
+    """The SGLang release this process would import, without importing it when it is not loaded yet."""
+    import sys
+
+    module = sys.modules.get("sglang")
+    if module is not None:
+        return str(module.__version__)
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("sglang")
+    except PackageNotFoundError:
+        return sglang_version()
+
+
+def preflight(server_args: Mapping[str, Any], layout: RankLayout, hf_config: Any, version: str) -> None:
+    """The checks a rank context makes before touching SGLang: layout, release and model-level settings."""
+    check_reproducible(server_args)
+    derived = layout_from_server_args(server_args, layout.tp_rank)
+    if derived != layout:
+        raise UnsupportedLayoutError(
+            f"rank layout {layout} disagrees with the one its server args give ({derived}); "
+            "pass the layout derived from the same /server_info"
+        )
+    _adapter_kind(version)
+    served = server_args.get("version")
+    if served and base_version(served) != base_version(version):
+        raise UnsupportedLayoutError(
+            f"the rollout runs SGLang {served}, this trainer has SGLang {version}: the replica reproduces "
+            "the bytes of its own release only; install the rollout's SGLang release on the trainer"
+        )
+    _check_model_level(server_args, hf_config_dict(hf_config))
+
+
+def server_args_field_names(version: str) -> frozenset[str]:
+    """The ServerArgs fields of the installed SGLang release (imports SGLang)."""
+    from sglang.srt.server_args import ServerArgs
+
+    if _adapter_kind(version) == "runtime_context":
+        from sglang.srt.arg_groups.arg_utils import record_fields
+
+        return frozenset(f.name for f in record_fields(ServerArgs))
+    return frozenset(f.name for f in dataclasses.fields(ServerArgs))
+
+
+def plan_fingerprint(server_args: Mapping[str, Any], field_names: frozenset[str] | set[str]) -> str:
+    """Digest of the server args a rank context hands SGLang (its ServerArgs fields, instance fields left out)."""
+    return server_args_fingerprint(_sglang_field_values(server_args, set(field_names)))
+
+
 class RankContext:
     """SGLang's rank state for one rollout rank; `with ctx:` installs it (serialized, re-entrant)."""
 
     def __init__(self, server_args: Mapping[str, Any], layout: RankLayout, hf_config: Any):
-        check_reproducible(server_args)
-        derived = layout_from_server_args(server_args, layout.tp_rank)
-        if derived != layout:
-            raise UnsupportedLayoutError(
-                f"rank layout {layout} disagrees with the one its server args give ({derived}); "
-                "pass the layout derived from the same /server_info"
-            )
         self.version = sglang_version()
+        preflight(server_args, layout, hf_config, self.version)
         kind = _adapter_kind(self.version)
-        served = server_args.get("version")
-        if served and base_version(served) != base_version(self.version):
-            raise UnsupportedLayoutError(
-                f"the rollout runs SGLang {served}, this trainer has SGLang {self.version}: the replica reproduces "
-                "the bytes of its own release only; install the rollout's SGLang release on the trainer"
-            )
         self.layout = layout
         self.server_args_in = dict(server_args)
-        hf = hf_config_dict(hf_config)
-        _check_model_level(server_args, hf)
-        self.config_dir = checkpoint_config_dir(hf)
+        self.config_dir = checkpoint_config_dir(hf_config_dict(hf_config))
         self._depth = 0
         with _LOCK:
             self._adapter = _GlobalsAdapter(self) if kind == "module_globals" else _RuntimeContextAdapter(self)
@@ -257,9 +293,14 @@ class RankContext:
         self.model_config = self._adapter.model_config
 
     @property
+    def fingerprint(self) -> str:
+        """Digest of the server args handed to SGLang (see `plan_fingerprint`)."""
+        return server_args_fingerprint(self._adapter.fields_used)
+
+    @property
     def key(self) -> tuple:
         """Equal for ranks that hold equal bytes (same SGLang release, layout, relevant server args)."""
-        return (base_version(self.version), self.layout.key, server_args_fingerprint(self._adapter.fields_used))
+        return (base_version(self.version), self.layout.key, self.fingerprint)
 
     def __enter__(self) -> RankContext:
         _LOCK.acquire()

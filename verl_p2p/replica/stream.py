@@ -9,10 +9,11 @@ than a buffer slot is produced in byte ranges by replaying the recorded writes (
 
 from __future__ import annotations
 
-import hashlib
-import json
+import logging
+import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,8 +26,20 @@ from verl_p2p.replica.plan import (
     WritePlan,
     build_meta_model,
     capture_write_plan,
+    check_syncable,
 )
-from verl_p2p.replica.rank_context import RankContext, hf_config_dict
+from verl_p2p.replica.plan_cache import PlanCache, PlanKey, config_digest
+from verl_p2p.replica.rank_context import (
+    RankContext,
+    base_version,
+    hf_config_dict,
+    installed_sglang_version,
+    plan_fingerprint,
+    preflight,
+    server_args_field_names,
+)
+
+logger = logging.getLogger(__name__)
 
 
 class ReplicaLoadError(P2PError):
@@ -195,16 +208,93 @@ def _memoized_named_parameters(model: torch.nn.Module, memo: dict[tuple, list]) 
         del model.named_parameters
 
 
-class RankReplica:
-    """HF tensors -> the exact bytes one SGLang rollout rank holds, through SGLang's own model and loaders."""
+@dataclass
+class PlannedRank:
+    """A rank's write plan, its replica key, and the SGLang state built to capture it (None when cached)."""
 
-    def __init__(self, ctx: RankContext, model: torch.nn.Module, plan: WritePlan, key: tuple):
-        self.ctx = ctx
-        self.model = model
+    plan: WritePlan
+    key: tuple
+    hf_config: dict
+    from_cache: bool
+    ctx: RankContext | None = None
+    model: torch.nn.Module | None = None
+
+
+def plan_rank(
+    hf_config: dict | Any,
+    server_args: Mapping[str, Any],
+    layout: RankLayout,
+    hf_specs: HFSpecs,
+    cache: PlanCache | None = None,
+) -> PlannedRank:
+    """The write plan of one rollout rank: loaded from `cache` (no SGLang import), else captured (and cached)."""
+    hf = hf_config_dict(hf_config)
+    version = installed_sglang_version()
+    preflight(server_args, layout, hf, version)
+    digest = config_digest(hf, hf_specs)
+    if cache is None:
+        ctx = RankContext(server_args, layout, hf)
+        model = build_meta_model(ctx)
+        plan = capture_write_plan(ctx, model, hf_specs)
+        key = (base_version(version), layout.key, ctx.fingerprint, digest)
+        return PlannedRank(plan, key, hf, from_cache=False, ctx=ctx, model=model)
+    fields = cache.server_args_fields(version)
+    if fields is None:
+        fields = server_args_field_names(version)
+        _try(cache.save_server_args_fields, version, fields)
+    fingerprint = plan_fingerprint(server_args, fields)
+    key = (base_version(version), layout.key, fingerprint, digest)
+    plan_key = PlanKey(version, digest, layout, fingerprint)
+    plan = cache.load(plan_key)
+    if plan is not None:
+        return PlannedRank(plan, key, hf, from_cache=True)
+    ctx = RankContext(server_args, layout, hf)
+    if ctx.fingerprint != fingerprint:
+        raise ReplicaLoadError(
+            f"p2p plan cache: the server-args fingerprint differs from the rank context's (SGLang {version}); "
+            f"delete {cache.directory} and report this"
+        )
+    model = build_meta_model(ctx)
+    plan = capture_write_plan(ctx, model, hf_specs)
+    _try(cache.save, plan_key, plan)
+    return PlannedRank(plan, key, hf, from_cache=False, ctx=ctx, model=model)
+
+
+def _try(save, *args) -> None:
+    """A cache write that fails (read-only or full disk) costs a capture next time, never the sync."""
+    try:
+        save(*args)
+    except OSError as exc:
+        logger.warning("p2p plan cache: could not write an entry (%s); continuing without it", exc)
+
+
+class RankReplica:
+    """HF tensors -> the exact bytes one SGLang rollout rank holds, through SGLang's own model and loaders.
+
+    The rank context and the meta model are built on first use: with a cached plan, nothing of SGLang is
+    imported or built until something calls SGLang (the reference executor `load`, or `ctx`).
+    """
+
+    def __init__(
+        self,
+        server_args: Mapping[str, Any],
+        layout: RankLayout,
+        hf_config: Mapping[str, Any],
+        plan: WritePlan,
+        key: tuple,
+        ctx: RankContext | None = None,
+        model: torch.nn.Module | None = None,
+    ):
+        self.server_args = dict(server_args)
+        self._layout = layout
+        self.hf_config = dict(hf_config)
         self.plan = plan
         self.key = key
-        self._params = dict(model.named_parameters())
+        self._ctx = ctx
+        self._model = model
+        self._param_objects: dict[str, torch.nn.Parameter] | None = None
         self._named_memo: dict[tuple, list] = {}
+        self._lazy = threading.Lock()  # one context / model per replica, whichever thread asks first
 
     @classmethod
     def build(
@@ -213,19 +303,52 @@ class RankReplica:
         server_args: Mapping[str, Any],
         layout: RankLayout,
         hf_specs: HFSpecs,
+        cache: PlanCache | None = None,
     ) -> RankReplica:
-        """Build the rank's meta model and its write plan; rejects layouts it cannot reproduce."""
-        ctx = RankContext(server_args, layout, hf_config)
-        model = build_meta_model(ctx)
-        plan = capture_write_plan(ctx, model, hf_specs)
-        config_text = json.dumps(hf_config_dict(hf_config), sort_keys=True, default=str)
-        specs_text = json.dumps([(n, list(s), str(d)) for n, (s, d) in plan.hf_specs.items()])
-        digest = hashlib.sha256((config_text + specs_text).encode()).hexdigest()
-        return cls(ctx, model, plan, key=ctx.key + (digest,))
+        """The rank's replica, its write plan from `cache` when held there, else captured on a meta model.
+
+        Rejects layouts and models it cannot reproduce, before and after capture.
+        """
+        planned = plan_rank(hf_config, server_args, layout, hf_specs, cache)
+        check_syncable(planned.plan)
+        return cls(
+            server_args, layout, planned.hf_config, planned.plan, planned.key, ctx=planned.ctx, model=planned.model
+        )
+
+    @property
+    def ctx(self) -> RankContext:
+        """The rank's SGLang state (built on first use)."""
+        with self._lazy:
+            if self._ctx is None:
+                ctx = RankContext(self.server_args, self._layout, self.hf_config)
+                if (base_version(ctx.version), ctx.layout.key, ctx.fingerprint) != self.key[:3]:
+                    raise ReplicaLoadError(
+                        f"the rank context of {self._layout} (SGLang {ctx.version}) does not match the plan's key "
+                        f"{self.key[:3]}: the installed SGLang changed since the plan was made; rebuild the replica"
+                    )
+                self._ctx = ctx
+            return self._ctx
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The rank's SGLang model on `meta` (built on first use)."""
+        ctx = self.ctx
+        with self._lazy:
+            if self._model is None:
+                self._model = build_meta_model(ctx)
+            return self._model
+
+    @property
+    def _params(self) -> dict[str, torch.nn.Parameter]:
+        model = self.model
+        with self._lazy:
+            if self._param_objects is None:
+                self._param_objects = dict(model.named_parameters())
+            return self._param_objects
 
     @property
     def layout(self) -> RankLayout:
-        return self.ctx.layout
+        return self._layout
 
     def stager(self) -> CompletenessStager:
         return CompletenessStager(self.plan)
@@ -325,4 +448,4 @@ class RankReplica:
         }
 
 
-__all__ = ["CompletenessStager", "RankReplica", "ReplicaLoadError"]
+__all__ = ["CompletenessStager", "PlannedRank", "RankReplica", "ReplicaLoadError", "plan_rank"]

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from verl_p2p.planning.hf_names import hf_tensor_specs
+
 ARCHS = ("qwen2", "qwen3", "qwen3_moe")
 
 _BASE = dict(
@@ -51,41 +53,8 @@ def tiny_config_dict(arch: str, **overrides) -> dict:
 
 def hf_tensor_shapes(cfg: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
     """Checkpoint names and shapes, in checkpoint order, with per-expert MoE names (what SGLang loads)."""
-    h, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    hd = cfg.get("head_dim") or h // heads
-    moe = cfg["model_type"] == "qwen3_moe"
-    yield "model.embed_tokens.weight", (vocab, h)
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}"
-        yield f"{p}.input_layernorm.weight", (h,)
-        yield f"{p}.self_attn.q_proj.weight", (heads * hd, h)
-        yield f"{p}.self_attn.k_proj.weight", (kv * hd, h)
-        yield f"{p}.self_attn.v_proj.weight", (kv * hd, h)
-        if cfg["model_type"] == "qwen2":
-            yield f"{p}.self_attn.q_proj.bias", (heads * hd,)
-            yield f"{p}.self_attn.k_proj.bias", (kv * hd,)
-            yield f"{p}.self_attn.v_proj.bias", (kv * hd,)
-        else:
-            yield f"{p}.self_attn.q_norm.weight", (hd,)
-            yield f"{p}.self_attn.k_norm.weight", (hd,)
-        yield f"{p}.self_attn.o_proj.weight", (h, heads * hd)
-        yield f"{p}.post_attention_layernorm.weight", (h,)
-        sparse = moe and i not in cfg.get("mlp_only_layers", []) and (i + 1) % cfg["decoder_sparse_step"] == 0
-        if sparse:
-            mi = cfg["moe_intermediate_size"]
-            yield f"{p}.mlp.gate.weight", (cfg["num_experts"], h)
-            for e in range(cfg["num_experts"]):
-                yield f"{p}.mlp.experts.{e}.gate_proj.weight", (mi, h)
-                yield f"{p}.mlp.experts.{e}.up_proj.weight", (mi, h)
-                yield f"{p}.mlp.experts.{e}.down_proj.weight", (h, mi)
-        else:
-            yield f"{p}.mlp.gate_proj.weight", (inter, h)
-            yield f"{p}.mlp.up_proj.weight", (inter, h)
-            yield f"{p}.mlp.down_proj.weight", (h, inter)
-    yield "model.norm.weight", (h,)
-    if not cfg.get("tie_word_embeddings"):
-        yield "lm_head.weight", (vocab, h)
+    for name, shape, _ in hf_tensor_specs(cfg):
+        yield name, shape
 
 
 def tiny_state_dict(cfg: dict, id_encoded: bool = True, seed: int = 0, dtype=torch.float32) -> dict[str, torch.Tensor]:

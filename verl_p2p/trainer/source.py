@@ -142,11 +142,17 @@ class SourceSession:
         key = layout_key(server_info, layout)
         if key not in self._replicas:
             try:
-                from verl_p2p.replica import RankReplica
+                from verl_p2p.replica import PlanCache, RankReplica
             except ImportError as exc:
                 raise _NO_SGLANG(exc) from exc
             model_config = self.engine.model_config
-            self._replicas[key] = RankReplica.build(model_config.hf_config, server_info, layout, self._specs())
+            self._replicas[key] = RankReplica.build(
+                model_config.hf_config,
+                server_info,
+                layout,
+                self._specs(),
+                cache=PlanCache.from_option(self.config.plan_cache_dir),
+            )
         return self._replicas[key]
 
     def _executor(self, replica) -> Any:

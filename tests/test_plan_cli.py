@@ -1,0 +1,190 @@
+"""`verl-p2p plan --model`: bytes per link from the write plans equal a count by hand; the planning arithmetic."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from verl_p2p.cli import main as cli_main
+from verl_p2p.planning.hf_names import hf_tensor_specs, pp_stage_of
+from verl_p2p.planning.model_cards import PUBLISHED_SYNCS, card_name_of, model_card
+from verl_p2p.planning.plan import SourceRank, build_transfer_plan
+from verl_p2p.planning.sync_estimate import (
+    Parallelism,
+    estimate_sync,
+    parse_parallelism,
+    rollout_server_args,
+    stage_bytes,
+    trainer_sources,
+)
+from verl_p2p.planning.targets import TargetRank
+from verl_p2p.sandbox.tiny import tiny_config_dict
+
+
+def _hand_count_per_stage(cfg: dict, tp: int, ep: int) -> dict[int, int]:
+    """Bytes one rollout rank holds (TP=tp, EP=ep, no DP attention), split as a trainer with pp=2 exports them:
+    stage 0 = embeddings + layer 0, stage 1 = layer 1 + final norm + LM head. Counted from the config alone."""
+    h, vocab, heads, kv, hd = (cfg[k] for k in ("hidden_size", "vocab_size", "num_attention_heads",
+                                                "num_key_value_heads", "head_dim"))  # fmt: skip
+    experts, mi = cfg["num_experts"], cfg["moe_intermediate_size"]
+    assert vocab % (64 * tp) == 0 and heads % tp == 0 and kv % tp == 0  # no padding, no kv replication
+    layer = (
+        (heads // tp + 2 * kv // tp) * hd * h  # fused q, k, v rows of this rank
+        + h * (heads // tp) * hd  # o_proj columns of this rank
+        + 2 * hd  # q_norm, k_norm (whole)
+        + 2 * h  # the two layer norms (whole)
+        + experts * h  # router (whole)
+        + (experts // ep) * 2 * mi * h  # gate+up of this rank's experts
+        + (experts // ep) * h * mi  # down of this rank's experts
+    )
+    embed = vocab // tp * h
+    return {0: 4 * (embed + layer), 1: 4 * (layer + h + embed)}  # float32
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny") / "config.json"
+    cfg = tiny_config_dict("qwen3_moe")  # vocab 256, hidden 64, 4 heads / 2 kv heads of 16, 8 experts of 32
+    path.write_text(json.dumps(cfg))
+    return path, cfg
+
+
+def test_plan_model_bytes_per_link_equal_the_hand_count(tiny_model, tmp_path, capsys):
+    path, cfg = tiny_model
+    argv = ["plan", "--model", str(path), "--trainer", "tp=2,pp=2,ep=2", "--rollout", "tp=2,ep=2x2"]
+    argv += ["--plan-cache-dir", str(tmp_path / "plans"), "--nic-gbps", "0.8", "--convert-gbps", "0.05", "--json"]
+    assert cli_main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    hand = _hand_count_per_stage(cfg, tp=2, ep=2)
+    # 4 trainer ranks (tp 2 x pp 2, dp 1): sources 0,1 export stage 0; sources 2,3 stage 1. 4 targets: per stage
+    # e0r0 -> first sender, e0r1 -> second, e1r0 / e1r1 to the sender already producing that layout
+    expected = {
+        (0, 0, 0): hand[0],
+        (0, 1, 0): hand[0],
+        (1, 0, 1): hand[0],
+        (1, 1, 1): hand[0],
+        (2, 0, 0): hand[1],
+        (2, 1, 0): hand[1],
+        (3, 0, 1): hand[1],
+        (3, 1, 1): hand[1],
+    }
+    assert {(x["source"], x["engine"], x["rank"]): x["bytes"] for x in out["links"]} == expected
+    assert out["target_bytes"] == dict.fromkeys(("e0r0", "e0r1", "e1r0", "e1r1"), hand[0] + hand[1])
+    by_rank = {s["rank"]: s for s in out["sources"]}
+    for rank, stage in ((0, 0), (1, 0), (2, 1), (3, 1)):
+        s = by_rank[rank]
+        assert (s["pp_stage"], s["wire_bytes"], s["convert_bytes"]) == (stage, 2 * hand[stage], hand[stage])
+        assert s["wire_s"] == pytest.approx(2 * hand[stage] / (0.8e9 / 8))
+        assert s["convert_s"] == pytest.approx(hand[stage] / 0.05e9)
+    slowest = max(hand.values())
+    assert out["wire_floor_s"] == pytest.approx(2 * slowest / 1e8)
+    assert out["slowest_source"] in {r for r, s in ((0, 0), (1, 0), (2, 1), (3, 1)) if hand[s] == slowest}
+    assert "0.05 GB/s" in out["assumptions"]["convert"] and "--convert-gbps" in out["assumptions"]["convert"]
+    assert len(out["plans"]) == 2 and not any(p["cached"] for p in out["plans"]) and out["refused"] == []
+
+    # the table says the same, and a second invocation reads both plans from the cache
+    assert cli_main(argv[:-1]) == 0
+    captured = capsys.readouterr()
+    assert "from the plan cache" in captured.err and "predicted sync" in captured.out
+    assert f"e0r0:{hand[0] / 1e6:.2f}MB" in captured.out and "convert: 0.05 GB/s" in captured.out
+
+
+def test_a_checkpoint_dir_plans_from_its_safetensors_headers(tiny_model, tmp_path, capsys):
+    from verl_p2p.sandbox.tiny import write_tiny_checkpoint
+
+    path, cfg = tiny_model
+    ckpt = write_tiny_checkpoint(tmp_path / "ckpt", "qwen3_moe")
+    common = ["--trainer", "tp=1,ep=2", "--rollout", "tp=2,ep=2", "--plan-cache-dir", str(tmp_path / "p"), "--json"]
+    assert cli_main(["plan", "--model", str(ckpt), *common]) == 0
+    from_dir = json.loads(capsys.readouterr().out)
+    assert cli_main(["plan", "--model", str(path), *common]) == 0
+    from_config = json.loads(capsys.readouterr().out)
+    assert from_dir["links"] == from_config["links"] and from_dir["hf_tensors"] == len(hf_tensor_specs(cfg))
+    hand = _hand_count_per_stage(cfg, tp=2, ep=2)
+    assert [x["bytes"] for x in from_dir["links"]] == [hand[0] + hand[1]] * 2
+
+
+def test_unknown_model_types_are_named():
+    with pytest.raises(ValueError, match="model_type='llama'.*safetensors"):
+        hf_tensor_specs({"model_type": "llama"})
+
+
+def test_bad_layout_specs_are_named(tiny_model, capsys):
+    path, _ = tiny_model
+    with pytest.raises(SystemExit):
+        cli_main(["plan", "--model", str(path), "--trainer", "tp=2,cp=2", "--rollout", "tp=2"])
+    assert "cp=2" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="'no-such-model' is neither a file"):
+        cli_main(["plan", "--model", "no-such-model", "--trainer", "tp=1", "--rollout", "tp=1"])
+
+
+def test_parse_and_trainer_sources():
+    assert parse_parallelism("tp=8,ep=8,dp_attn=8x4", ("tp", "ep", "dp_attn")) == Parallelism(
+        tp=8, ep=8, dp_attn=8, engines=4
+    )
+    trainer = parse_parallelism("tp=4,pp=2,ep=8", ("tp", "pp", "ep", "dp"))
+    assert trainer.trainer_dp == 2 and trainer.trainer_ranks == 16
+    sources = trainer_sources(trainer)
+    assert [s.pp_stage for s in sources] == [0] * 8 + [1] * 8 and sources[8] == SourceRank(8, 1)
+    with pytest.raises(ValueError, match="does not divide"):
+        trainer_sources(Parallelism(tp=4, ep=3, dp=1))
+    with pytest.raises(ValueError, match="positive"):
+        parse_parallelism("tp=0", ("tp",))
+    assert rollout_server_args(Parallelism(tp=8, ep=8, dp_attn=8)) == {
+        "tp_size": 8,
+        "ep_size": 8,
+        "dtype": "bfloat16",
+        "dp_size": 8,
+        "enable_dp_attention": True,
+    }
+
+
+def test_stage_bytes_and_the_estimate_formula():
+    assert pp_stage_of("model.embed_tokens.weight", 4, 2) == 0 and pp_stage_of("lm_head.weight", 4, 2) == 1
+    assert pp_stage_of("model.layers.1.x", 4, 2) == 0 and pp_stage_of("model.layers.2.x", 4, 2) == 1
+    params = [("a", 10, ["model.layers.0.q"]), ("b", 7, ["model.layers.3.q"]), ("pad", 3, [])]
+    assert stage_bytes(params, 4, 2) == {0: 13, 1: 7}
+    with pytest.raises(ValueError, match="stages"):
+        stage_bytes([("mixed", 1, ["model.layers.0.q", "model.layers.3.q"])], 4, 2)
+    targets = [TargetRank(0, 0), TargetRank(1, 0)]
+    plan = build_transfer_plan([SourceRank(0, 0)], targets, dict.fromkeys(targets, "k"))
+    est = estimate_sync(plan, dict.fromkeys(targets, {0: 10**9}), dict.fromkeys(targets, "k"), 80, 1, 10**8)
+    (s,) = est.sources
+    assert (s.wire_bytes, s.convert_bytes) == (2 * 10**9, 10**9)  # one layout: converted once, written twice
+    assert s.wire_s == pytest.approx(0.2) and s.convert_s == pytest.approx(1.0)
+    assert s.predicted_s == pytest.approx(1.0 + 0.01)  # max + one slot on the faster side (0.1 GB at 10 GB/s)
+    assert est.wire_floor_s == pytest.approx(0.2) and est.predicted_s == s.predicted_s
+
+
+def test_model_cards_are_the_published_shapes():
+    q30, q235 = model_card("qwen3-30b-a3b"), model_card("Qwen3-235B-A22B")
+    assert (q30["num_hidden_layers"], q30["num_experts"], q30["hidden_size"], q30["moe_intermediate_size"]) == (
+        48,
+        128,
+        2048,
+        768,
+    )
+    assert (q235["num_hidden_layers"], q235["hidden_size"], q235["num_attention_heads"]) == (94, 4096, 64)
+    # parameter counts from the generated tensor lists match the published totals (30.5B, 235B, 671B, 1.0T)
+    totals = {}
+    for name in ("qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3", "kimi-k2"):
+        specs = hf_tensor_specs(model_card(name))
+        totals[name] = sum(_numel(s) for _, s, _ in specs)
+    assert 30.0e9 < totals["qwen3-30b-a3b"] < 31.0e9
+    assert 234e9 < totals["qwen3-235b-a22b"] < 236e9
+    assert 665e9 < totals["deepseek-v3"] < 675e9  # without the multi-token-prediction layer
+    assert 1.02e12 < totals["kimi-k2"] < 1.04e12
+    assert card_name_of(model_card("qwen3-30b-a3b")) == "qwen3-30b-a3b"
+    assert card_name_of(model_card("qwen3-30b-a3b", 2)) is None
+    assert {p.card for p in PUBLISHED_SYNCS} >= {"qwen3-30b-a3b", "qwen3-235b-a22b", "kimi-k2"}
+    for p in PUBLISHED_SYNCS:
+        trainer_sources(p.trainer)
+        rollout_server_args(p.rollout)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

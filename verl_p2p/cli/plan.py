@@ -1,0 +1,358 @@
+"""`verl-p2p plan`: which trainer source writes which rollout ranks, how many bytes, and how long a sync takes.
+
+With `--model` (a config.json, a checkpoint directory or a built-in card name) the bytes per target come from
+the rollout ranks' write plans (captured on `meta` with SGLang's own model class, or read from the plan
+cache), not from a formula. Without `--model` it prints the abstract source -> target assignment only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from verl_p2p.errors import P2PError
+from verl_p2p.planning.hf_names import hf_tensor_specs
+from verl_p2p.planning.layout import layout_from_server_args
+from verl_p2p.planning.model_cards import MODEL_CARDS, PublishedSync, card_name_of, model_card, published_for
+from verl_p2p.planning.plan import SourceRank, build_transfer_plan
+from verl_p2p.planning.sync_estimate import (
+    DEFAULT_CONVERT_GBPS,
+    DEFAULT_CONVERT_SOURCE,
+    DEFAULT_NIC_GBITS,
+    Parallelism,
+    SyncEstimate,
+    estimate_sync,
+    parse_parallelism,
+    rollout_server_args,
+    stage_bytes,
+    trainer_sources,
+)
+from verl_p2p.planning.targets import TargetRank
+
+TRAINER_KEYS = ("tp", "pp", "ep", "dp")
+ROLLOUT_KEYS = ("tp", "ep", "dp_attn")
+
+
+def _abstract(args: argparse.Namespace) -> int:
+    sources = [
+        SourceRank(global_rank=s * args.sources_per_stage + i, pp_stage=s)
+        for s in range(args.pp)
+        for i in range(args.sources_per_stage)
+    ]
+    targets = [TargetRank(e, r) for e, n in enumerate(int(x) for x in args.engines.split(",")) for r in range(n)]
+    print(build_transfer_plan(sources, targets).describe())
+    return 0
+
+
+def resolve_model(spec: str) -> tuple[str, dict, dict]:
+    """(label, HF config, HF specs {name: (shape, torch dtype)}) of a card name, a config.json or a checkpoint dir."""
+    import torch
+
+    path = Path(spec).expanduser()
+    if spec.lower() in MODEL_CARDS and not path.exists():
+        cfg = model_card(spec)
+        label = spec.lower()
+    elif path.is_dir() or path.is_file():
+        config_path = path / "config.json" if path.is_dir() else path
+        try:
+            cfg = json.loads(config_path.read_text())
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"verl-p2p plan: cannot read the model config {config_path}: {exc}") from exc
+        label = str(path)
+        if path.is_dir() and any(path.glob("*.safetensors")):
+            from verl_p2p.trainer.hf_specs import hf_specs_from_checkpoint
+
+            return label, cfg, hf_specs_from_checkpoint(path)
+    else:
+        raise SystemExit(
+            f"verl-p2p plan: --model {spec!r} is neither a file, a directory nor a built-in card "
+            f"({', '.join(MODEL_CARDS)})"
+        )
+    try:
+        specs = {name: (shape, getattr(torch, dtype)) for name, shape, dtype in hf_tensor_specs(cfg)}
+    except (KeyError, ValueError) as exc:
+        raise SystemExit(f"verl-p2p plan: cannot list the tensors of {label}: {exc}") from exc
+    return label, cfg, specs
+
+
+class Planner:
+    """Write plans per rollout layout (captured or cached), shared by every estimate of one invocation."""
+
+    def __init__(self, cfg: dict, specs: dict, cache: Any, quiet: bool = False):
+        self.cfg, self.specs, self.cache, self.quiet = cfg, specs, cache, quiet
+        self._plans: dict[tuple, Any] = {}
+        self.captures: list[dict] = []
+        self.refusals: set[str] = set()
+
+    def _log(self, text: str) -> None:
+        if not self.quiet:
+            print(text, file=sys.stderr, flush=True)
+
+    def rank_plan(self, server_args: dict, rank: int) -> Any:
+        from verl_p2p.replica.stream import plan_rank
+
+        layout = layout_from_server_args(server_args, rank)
+        key = (json.dumps(server_args, sort_keys=True), layout.key)
+        if key not in self._plans:
+            t0 = time.perf_counter()
+            planned = plan_rank(self.cfg, server_args, layout, self.specs, self.cache)
+            seconds = time.perf_counter() - t0
+            how = "from the plan cache" if planned.from_cache else "captured"
+            self._log(f"  rollout rank {rank} of {_rollout_text(server_args)}: plan {how} in {seconds:.2f} s")
+            self.captures.append(
+                {"rank": rank, "server_args": server_args, "seconds": seconds, "cached": planned.from_cache}
+            )
+            if planned.plan.derived:
+                from verl_p2p.replica.plan import WritePlanError, check_syncable
+
+                try:
+                    check_syncable(planned.plan)
+                except WritePlanError as exc:
+                    self.refusals.add(str(exc))
+            self._plans[key] = planned.plan
+        return self._plans[key]
+
+    def estimate(
+        self, trainer: Parallelism, rollout: Parallelism, nic_gbits: float, convert_gbps: float, slot_bytes: int
+    ) -> tuple[SyncEstimate, dict]:
+        server_args = rollout_server_args(rollout, dtype=str(self.cfg.get("torch_dtype") or "bfloat16"))
+        if not _has_cuda():  # some model classes (yarn rope) ask the device; the plan's bytes do not depend on it
+            server_args["device"] = "cpu"
+        sources = trainer_sources(trainer)
+        layers = int(self.cfg["num_hidden_layers"])
+        per_rank, keys = {}, {}
+        for r in range(rollout.tp):
+            plan = self.rank_plan(server_args, r)
+            params = [(p.name, p.nbytes, p.feeds) for p in plan.params.values()]
+            per_rank[r] = stage_bytes(params, layers, trainer.pp)
+            keys[r] = layout_from_server_args(server_args, r).key
+        targets = [TargetRank(e, r) for e in range(rollout.engines) for r in range(rollout.tp)]
+        layout_keys = {t: keys[t.rank] for t in targets}
+        transfer = build_transfer_plan(sources, targets, layout_keys)
+        estimate = estimate_sync(
+            transfer, {t: per_rank[t.rank] for t in targets}, layout_keys, nic_gbits, convert_gbps, slot_bytes
+        )
+        return estimate, server_args
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _rollout_text(server_args: dict) -> str:
+    text = f"tp={server_args['tp_size']},ep={server_args['ep_size']}"
+    return text + (f",dp_attn={server_args['dp_size']}" if server_args.get("enable_dp_attention") else "")
+
+
+def _gb(n: int) -> str:
+    """Bytes for people: GB (1e9) from 0.1 GB up, else MB or kB."""
+    if n >= 1e8:
+        return f"{n / 1e9:.2f}GB"
+    return f"{n / 1e6:.2f}MB" if n >= 1e5 else f"{n / 1e3:.1f}kB"
+
+
+def estimate_json(est: SyncEstimate, trainer: Parallelism, rollout: Parallelism) -> dict:
+    return {
+        "trainer": {
+            "layout": trainer.describe(),
+            "tp": trainer.tp,
+            "pp": trainer.pp,
+            "ep": trainer.ep,
+            "dp": trainer.trainer_dp,
+            "ranks": trainer.trainer_ranks,
+        },
+        "rollout": {
+            "layout": rollout.describe(),
+            "tp": rollout.tp,
+            "ep": rollout.ep,
+            "dp_attn": rollout.dp_attn,
+            "engines": rollout.engines,
+        },
+        "target_bytes": {f"e{t.engine}r{t.rank}": n for t, n in sorted(est.target_bytes.items())},
+        "links": [
+            {"source": s.rank, "pp_stage": s.pp_stage, "engine": t.engine, "rank": t.rank, "bytes": n}
+            for s in est.sources
+            for t, n in s.links
+        ],
+        "sources": [
+            {
+                "rank": s.rank,
+                "pp_stage": s.pp_stage,
+                "targets": [f"e{t.engine}r{t.rank}" for t, _ in s.links],
+                "wire_bytes": s.wire_bytes,
+                "convert_bytes": s.convert_bytes,
+                "wire_s": s.wire_s,
+                "convert_s": s.convert_s,
+                "predicted_s": s.predicted_s,
+            }
+            for s in est.sources
+        ],
+        "total_bytes": est.total_bytes,
+        "slowest_source": est.slowest.rank,
+        "wire_floor_s": est.wire_floor_s,
+        "predicted_s": est.predicted_s,
+    }
+
+
+def _print_estimate(est: SyncEstimate, trainer: Parallelism, rollout: Parallelism) -> None:
+    print(
+        f"trainer {trainer.describe()}: {trainer.trainer_ranks} ranks (dp={trainer.trainer_dp}), "
+        f"{trainer.trainer_ranks // trainer.pp} sources per stage"
+    )
+    print(f"rollout {rollout.describe()}: {rollout.engines * rollout.tp} target ranks")
+    sizes = sorted(set(est.target_bytes.values()))
+    print(f"bytes per target rank (from the write plans): {', '.join(_gb(n) for n in sizes)}")
+    print(f"{'source':>6} {'stage':>5} {'wire':>9} {'convert':>9} {'wire s':>7} {'conv s':>7} {'pred s':>7}  links")
+    for s in est.sources:
+        links = " ".join(f"e{t.engine}r{t.rank}:{_gb(n)}" for t, n in s.links) or "(idle)"
+        print(
+            f"{s.rank:>6} {s.pp_stage:>5} {_gb(s.wire_bytes):>9} {_gb(s.convert_bytes):>9} "
+            f"{s.wire_s:>7.3f} {s.convert_s:>7.3f} {s.predicted_s:>7.3f}  {links}"
+        )
+    slow = est.slowest
+    print(
+        f"slowest source {slow.rank} (stage {slow.pp_stage}): {_gb(slow.wire_bytes)} -> wire floor "
+        f"{est.wire_floor_s:.3f} s at {est.nic_gbits:g} Gb/s; predicted sync {est.predicted_s:.3f} s"
+    )
+
+
+def _assumptions(nic_gbits: float, convert_gbps: float, convert_given: bool, slot_bytes: int) -> dict:
+    source = "given with --convert-gbps" if convert_given else DEFAULT_CONVERT_SOURCE
+    return {
+        "nic": f"one {nic_gbits:g} Gb/s NIC per trainer GPU ({nic_gbits / 8:g} GB/s)",
+        "convert": f"{convert_gbps:g} GB/s of rollout bytes produced per source ({source})",
+        "pipeline": f"two transfer slots of {slot_bytes >> 20} MB: predicted = max(convert, wire) + one slot",
+        "not_counted": "the trainer's HF export (Megatron all-gathers) and the rollout's pause/resume calls",
+    }
+
+
+def _published_line(p: PublishedSync) -> str:
+    return f"{p.system}: {p.figure()} ({p.setting})"
+
+
+def run(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="verl-p2p plan",
+        description="Source -> target assignment, bytes per link and a predicted sync time (from write plans).",
+    )
+    parser.add_argument("--model", help=f"config.json, checkpoint dir, or a card: {', '.join(MODEL_CARDS)}")
+    parser.add_argument("--trainer", help="trainer layout, e.g. tp=4,pp=2,ep=8 (optional dp=)")
+    parser.add_argument("--rollout", help="rollout layout and replicas, e.g. tp=8,ep=8,dp_attn=8x4")
+    parser.add_argument("--nic-gbps", type=float, default=DEFAULT_NIC_GBITS, help="NIC per trainer GPU, Gb/s")
+    parser.add_argument("--convert-gbps", type=float, default=None, help="conversion throughput per source, GB/s")
+    parser.add_argument("--bucket-mb", type=int, default=512, help="transfer slot size (bucket_size_mb)")
+    parser.add_argument("--anchors", action="store_true", help="predict at the published figures' layouts")
+    parser.add_argument("--plan-cache-dir", default=None, help="plan cache directory ('' disables)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    parser.add_argument("--sources-per-stage", type=int, default=2, help="(without --model) sources per stage")
+    parser.add_argument("--pp", type=int, default=1, help="(without --model) pipeline stages")
+    parser.add_argument("--engines", default="2,2", help="(without --model) ranks per rollout engine")
+    args = parser.parse_args(argv)
+    if not args.model:
+        return _abstract(args)
+    try:
+        return _run(parser, args)
+    except (ValueError, P2PError) as exc:
+        print(f"verl-p2p plan: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    try:
+        trainer = parse_parallelism(args.trainer, TRAINER_KEYS) if args.trainer else None
+        rollout = parse_parallelism(args.rollout, ROLLOUT_KEYS) if args.rollout else None
+    except ValueError as exc:
+        parser.error(str(exc))
+    label, cfg, specs = resolve_model(args.model)
+    card = card_name_of(cfg)
+    published = published_for(card) if card else []
+    anchors = args.anchors or (trainer is None and rollout is None and bool(published))
+    if not anchors and (trainer is None or rollout is None):
+        parser.error("give --trainer and --rollout (or --anchors for a built-in card with published figures)")
+    if anchors and not published:
+        parser.error(f"no published figures for {label}; give --trainer and --rollout")
+    convert_gbps = args.convert_gbps if args.convert_gbps is not None else DEFAULT_CONVERT_GBPS
+    if args.nic_gbps <= 0 or convert_gbps <= 0 or args.bucket_mb <= 0:
+        parser.error("--nic-gbps, --convert-gbps and --bucket-mb must be positive")
+    slot_bytes = args.bucket_mb << 20
+
+    from verl_p2p.replica.plan_cache import PlanCache
+    from verl_p2p.sandbox.cpu_stubs import install_cpu_stubs
+
+    install_cpu_stubs()  # SGLang's model classes import GPU kernels at import time; only captures need them
+    cache = PlanCache.from_option(args.plan_cache_dir)
+    planner = Planner(cfg, specs, cache, quiet=args.json)
+    assumptions = _assumptions(args.nic_gbps, convert_gbps, args.convert_gbps is not None, slot_bytes)
+    out: dict[str, Any] = {
+        "model": label,
+        "card": card,
+        "num_hidden_layers": cfg.get("num_hidden_layers"),
+        "hf_tensors": len(specs),
+        "hf_bytes": sum(_numel(s) * d.itemsize for s, d in specs.values()),
+        "nic_gbps": args.nic_gbps,
+        "convert_gbps": convert_gbps,
+        "assumptions": assumptions,
+    }
+    if anchors:
+        rows = []
+        for p in published:
+            est, _ = planner.estimate(p.trainer, p.rollout, args.nic_gbps, convert_gbps, slot_bytes)
+            rows.append(
+                {
+                    "system": p.system,
+                    "published": p.figure(),
+                    "published_s": list(p.seconds),
+                    "setting": p.setting,
+                    "assumed": p.assumed,
+                    **estimate_json(est, p.trainer, p.rollout),
+                }
+            )
+        out["anchors"] = rows
+    else:
+        est, _ = planner.estimate(trainer, rollout, args.nic_gbps, convert_gbps, slot_bytes)
+        out.update(estimate_json(est, trainer, rollout))
+        out["published"] = [{"system": p.system, "published": p.figure(), "setting": p.setting} for p in published]
+    out["plans"] = planner.captures
+    out["refused"] = sorted(planner.refusals)
+    if args.json:
+        print(json.dumps(out, indent=2, default=str))
+        return 0
+    print(f"model {label}: {out['hf_tensors']} HF tensors, {_gb(out['hf_bytes'])}")
+    if anchors:
+        print(f"{'system':<24} {'published':>10} {'predicted':>10} {'wire floor':>10}  trainer -> rollout (assumed)")
+        for row in out["anchors"]:
+            print(
+                f"{row['system']:<24} {row['published']:>10} {row['predicted_s']:>9.3f}s {row['wire_floor_s']:>9.3f}s"
+                f"  {row['trainer']['layout']} -> {row['rollout']['layout']}"
+            )
+        for row in out["anchors"]:
+            print(f"  {row['system']} {row['published']}: {row['setting']}; assumed: {row['assumed']}")
+    else:
+        _print_estimate(est, trainer, rollout)
+        for p in published:
+            print(f"published for this model: {_published_line(p)}")
+    print("assumptions: " + "; ".join(f"{k}: {v}" for k, v in assumptions.items()))
+    for reason in out["refused"]:
+        print(f"WARNING: p2p refuses this model: {reason}")
+    return 0
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(list(sys.argv[1:] if argv is None else argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""What one sync moves and how long it should take, from the bytes each rollout rank holds (pure arithmetic).
+
+The bytes come from the rollout ranks' write plans (the caller captures or loads them). Per trainer pipeline
+stage, every rollout rank gets one sender (`build_transfer_plan`); a sender converts the bytes of each
+distinct rank layout it serves once and writes them to every target holding that layout. The estimate:
+
+- wire: a source's bytes over its NIC (one NIC per trainer GPU); the slowest source is the wire floor;
+- convert: the bytes a source produces (once per distinct layout) at the conversion throughput;
+- predicted per source: max(convert, wire) plus one transfer slot of the other (two slots pipeline
+  conversion into one while the other is on the wire); the sync's prediction is the slowest source's.
+
+Not counted: the trainer's HF export (Megatron all-gathers) and the rollout's pause/resume round trips.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from verl_p2p.planning.hf_names import pp_stage_of
+from verl_p2p.planning.plan import SourceRank, TransferPlan
+from verl_p2p.planning.targets import TargetRank
+
+# Conversion throughput per source assumed when none is given: the H200 GPU -> pinned transfer-slot copy rate
+# measured by scripts/gpu_staging_bandwidth.py (docs/measurements/gpu_staging_h200_512mb.json), which bounds a
+# GPU conversion into pinned slots. Replace it by `verl-p2p bench --device cuda`'s convert_gbps where measured.
+DEFAULT_CONVERT_GBPS = 55.0
+DEFAULT_CONVERT_SOURCE = "H200 GPU->pinned slot copy, 55.1 GB/s (docs/measurements/gpu_staging_h200_512mb.json)"
+DEFAULT_NIC_GBITS = 400.0
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """A trainer or rollout layout as the CLI spells it (`tp=4,pp=2,ep=8`, `tp=8,ep=8,dp_attn=8x4`)."""
+
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    dp: int | None = None  # trainer data parallel; None: the smallest that holds ep (Megatron folds EP into DP x TP)
+    dp_attn: int = 1  # rollout attention data parallelism (SGLang --enable-dp-attention --dp-size)
+    engines: int = 1  # rollout replicas
+
+    def describe(self) -> str:
+        parts = [f"tp={self.tp}"]
+        if self.pp != 1:
+            parts.append(f"pp={self.pp}")
+        parts.append(f"ep={self.ep}")
+        if self.dp is not None:
+            parts.append(f"dp={self.dp}")
+        if self.dp_attn != 1:
+            parts.append(f"dp_attn={self.dp_attn}")
+        return ",".join(parts) + (f"x{self.engines}" if self.engines != 1 else "")
+
+    @property
+    def trainer_dp(self) -> int:
+        return self.dp if self.dp is not None else math.lcm(self.tp, self.ep) // self.tp
+
+    @property
+    def trainer_ranks(self) -> int:
+        return self.tp * self.pp * self.trainer_dp
+
+
+def parse_parallelism(text: str, allowed: Sequence[str]) -> Parallelism:
+    """`"tp=8,ep=8,dp_attn=8x4"` -> Parallelism; `xN` (rollout) is the number of replicas."""
+    body, engines = text.strip(), 1
+    if "x" in body.rsplit(",", 1)[-1]:
+        body, _, count = body.rpartition("x")
+        if not count.isdigit() or int(count) < 1:
+            raise ValueError(f"{text!r}: the replica count after 'x' must be a positive integer")
+        engines = int(count)
+    values: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in body.split(","))):
+        name, sep, value = part.partition("=")
+        if not sep or name not in allowed:
+            raise ValueError(f"{text!r}: {part!r} is not one of {', '.join(f'{a}=N' for a in allowed)}")
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"{text!r}: {name} must be a positive integer, got {value!r}")
+        values[name] = int(value)
+    return Parallelism(engines=engines, **values)
+
+
+def check_trainer(par: Parallelism) -> None:
+    dp = par.trainer_dp
+    if (par.tp * dp) % par.ep:
+        raise ValueError(f"trainer ep={par.ep} does not divide the {par.tp * dp} ranks of a stage (tp x dp)")
+
+
+def trainer_sources(par: Parallelism) -> list[SourceRank]:
+    """Every trainer rank, stage by stage: after the in-stage gather each holds its stage's weights."""
+    check_trainer(par)
+    per_stage = par.tp * par.trainer_dp
+    return [SourceRank(global_rank=s * per_stage + i, pp_stage=s) for s in range(par.pp) for i in range(per_stage)]
+
+
+def rollout_server_args(par: Parallelism, dtype: str = "bfloat16") -> dict:
+    """The SGLang server args of one rollout replica of this layout (what /server_info would report)."""
+    if par.tp % par.ep or par.tp % par.dp_attn:
+        raise ValueError(f"rollout tp={par.tp} must be divisible by ep={par.ep} and dp_attn={par.dp_attn}")
+    args = {"tp_size": par.tp, "ep_size": par.ep, "dtype": dtype}
+    if par.dp_attn > 1:
+        args.update(dp_size=par.dp_attn, enable_dp_attention=True)
+    return args
+
+
+def stage_bytes(params: Iterable[tuple[str, int, Sequence[str]]], num_layers: int, pp: int) -> dict[int, int]:
+    """Bytes of one rollout rank each trainer stage writes: a parameter belongs to the stage exporting its
+    feeds (feedless padding fills to stage 0); `params` is (name, nbytes, feeds)."""
+    out = dict.fromkeys(range(pp), 0)
+    for name, nbytes, feeds in params:
+        stages = {pp_stage_of(f, num_layers, pp) for f in feeds} or {0}
+        if len(stages) > 1:
+            raise ValueError(f"rollout parameter {name} is fed by HF tensors of stages {sorted(stages)}")
+        out[stages.pop()] += nbytes
+    return out
+
+
+@dataclass(frozen=True)
+class SourceEstimate:
+    rank: int
+    pp_stage: int
+    links: tuple[tuple[TargetRank, int], ...]  # (target, bytes) this source writes
+    convert_bytes: int
+    wire_s: float
+    convert_s: float
+    predicted_s: float
+
+    @property
+    def wire_bytes(self) -> int:
+        return sum(n for _, n in self.links)
+
+
+@dataclass(frozen=True)
+class SyncEstimate:
+    sources: tuple[SourceEstimate, ...]
+    nic_gbits: float
+    convert_gbps: float
+    slot_bytes: int
+    target_bytes: Mapping[TargetRank, int] = field(default_factory=dict)
+
+    @property
+    def senders(self) -> list[SourceEstimate]:
+        return [s for s in self.sources if s.links]
+
+    @property
+    def slowest(self) -> SourceEstimate:
+        return max(self.senders, key=lambda s: (s.predicted_s, s.wire_s, -s.rank))
+
+    @property
+    def wire_floor_s(self) -> float:
+        """The slowest source's bytes over its NIC: no sync of this plan can be faster on this network."""
+        return max(s.wire_s for s in self.senders)
+
+    @property
+    def predicted_s(self) -> float:
+        return self.slowest.predicted_s
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.wire_bytes for s in self.sources)
+
+
+def estimate_sync(
+    transfer: TransferPlan,
+    bytes_by_stage: Mapping[TargetRank, Mapping[int, int]],
+    layout_keys: Mapping[TargetRank, Hashable],
+    nic_gbits: float = DEFAULT_NIC_GBITS,
+    convert_gbps: float = DEFAULT_CONVERT_GBPS,
+    slot_bytes: int = 512 << 20,
+) -> SyncEstimate:
+    """Per-source wire and conversion time of `transfer`; `bytes_by_stage[target][stage]` from the plans."""
+    if nic_gbits <= 0 or convert_gbps <= 0 or slot_bytes <= 0:
+        raise ValueError("NIC bandwidth, conversion throughput and slot size must be positive")
+    nic_bps, convert_bps = nic_gbits * 1e9 / 8, convert_gbps * 1e9
+    sources = []
+    for rank in sorted(transfer.tasks):
+        stage = transfer.stages[rank]
+        links = tuple((t, bytes_by_stage[t][stage]) for t in transfer.tasks[rank])
+        produced: dict[Hashable, int] = {}
+        for t, n in links:
+            produced[layout_keys[t]] = n
+        convert_bytes = sum(produced.values())
+        wire_s = sum(n for _, n in links) / nic_bps
+        convert_s = convert_bytes / convert_bps
+        one_slot = min(slot_bytes / nic_bps, slot_bytes / convert_bps, min(wire_s, convert_s))
+        predicted = max(wire_s, convert_s) + one_slot if links else 0.0
+        sources.append(SourceEstimate(rank, stage, links, convert_bytes, wire_s, convert_s, predicted))
+    totals = {t: sum(by.values()) for t, by in bytes_by_stage.items()}
+    return SyncEstimate(tuple(sources), nic_gbits, convert_gbps, slot_bytes, totals)

@@ -1,0 +1,265 @@
+"""Write plans on disk, so a restarted trainer reuses them instead of capturing them again.
+
+A plan depends on the SGLang release, the HF config and tensor list (the config digest), the rank's layout
+and the server args SGLang is handed; the entry's name is a digest of exactly those (`PlanKey`), and the
+entry repeats the key so a collision or a stray file is never taken for a match. Entries are written
+atomically (temporary file + rename: concurrent writers of one key are harmless) and carry a checksum of
+their body; an entry that cannot be read, fails its checksum or does not match its key is logged and
+captured again. Entries are plain JSON (no pickle: loading an entry runs no code).
+
+Which server args SGLang is handed depends on the release's ServerArgs fields; their names are kept per
+release in the same directory, so a cached plan is found without importing SGLang at all. The key also holds a
+digest of the capture code itself, so a changed recorder never reuses an entry written by an older one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from verl_p2p.planning.layout import RankLayout
+from verl_p2p.replica.plan import HFSpecs, ParamPlan, RecordedWrite, SourceView, WritePlan
+
+logger = logging.getLogger(__name__)
+
+_CAPTURE_CODE = ("plan.py", "plan_cache.py", "rank_context.py")
+_code_digest: str | None = None
+
+
+def capture_code_digest() -> str:
+    """Digest of the modules that capture, store and key plans: any change to them makes older entries miss."""
+    global _code_digest
+    if _code_digest is None:
+        h = hashlib.sha256()
+        for name in _CAPTURE_CODE:
+            h.update((Path(__file__).with_name(name)).read_bytes())
+        _code_digest = h.hexdigest()[:16]
+    return _code_digest
+
+
+def default_plan_cache_dir() -> Path:
+    """`$XDG_CACHE_HOME/verl_p2p/plans`, else `~/.cache/verl_p2p/plans`."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "verl_p2p" / "plans"
+
+
+def config_digest(hf_config: Mapping[str, Any], hf_specs: HFSpecs) -> str:
+    """Digest of the HF config and the HF tensor list (names, shapes, dtypes, in checkpoint order)."""
+    dtype_names: dict[torch.dtype, str] = {}
+    h = hashlib.sha256(json.dumps(dict(hf_config), sort_keys=True, default=str).encode())
+    for name, (shape, dtype) in hf_specs.items():
+        dtype_name = dtype_names.get(dtype) or dtype_names.setdefault(dtype, str(dtype))
+        h.update(f"\n{name}:{tuple(shape)}:{dtype_name}".encode())
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class PlanKey:
+    """Everything a rank's write plan depends on."""
+
+    sglang_version: str
+    config_digest: str
+    layout: RankLayout
+    server_args_fingerprint: str
+
+    def as_json(self) -> dict:
+        return {
+            "capture_code": capture_code_digest(),
+            "sglang_version": self.sglang_version,
+            "config_digest": self.config_digest,
+            "layout": {k: getattr(self.layout, k) for k in self.layout.__dataclass_fields__},
+            "server_args_fingerprint": self.server_args_fingerprint,
+        }
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(self.as_json(), sort_keys=True).encode()).hexdigest()
+
+
+_DTYPES: dict[str, torch.dtype] = {}
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = _DTYPES.get(name)
+    if dtype is None:
+        dtype = getattr(torch, name.removeprefix("torch."), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"unknown dtype {name!r}")
+        _DTYPES[name] = dtype
+    return dtype
+
+
+def plan_to_json(plan: WritePlan) -> dict:
+    """A compact JSON form: HF tensors listed once, referred to by index."""
+    index = {name: i for i, name in enumerate(plan.hf_specs)}
+
+    def write(w: RecordedWrite) -> list:
+        s = w.source
+        source = None if s is None else [index[s.hf_name], s.offset, list(s.shape), list(s.stride)]
+        return [w.op, w.offset, list(w.shape), list(w.stride), source, w.fill_value, [index[f] for f in w.feeds]]
+
+    dtype_names: dict[torch.dtype, str] = {}
+
+    def dtype_name(dtype: torch.dtype) -> str:
+        return dtype_names.get(dtype) or dtype_names.setdefault(dtype, str(dtype).removeprefix("torch."))
+
+    return {
+        "hf": [[n, list(shape), dtype_name(dtype)] for n, (shape, dtype) in plan.hf_specs.items()],
+        "params": [
+            [
+                p.name,
+                list(p.shape),
+                dtype_name(p.dtype),
+                p.nbytes,
+                [index[f] for f in p.feeds],
+                [write(w) for w in p.writes],
+            ]
+            for p in plan.params.values()
+        ],
+        "derived": list(plan.derived),
+    }
+
+
+def plan_from_json(data: Mapping[str, Any]) -> WritePlan:
+    """Inverse of `plan_to_json` (HF names are shared string objects, not copies per use)."""
+    names = [str(n) for n, _, _ in data["hf"]]
+    hf_specs = {name: (tuple(shape), _dtype(dtype)) for name, shape, dtype in data["hf"]}
+    if list(hf_specs) != names:
+        raise ValueError("duplicate HF tensor names")
+
+    def write(raw: list) -> RecordedWrite:
+        op, offset, shape, stride, source, fill_value, feeds = raw
+        view = None
+        if source is not None:
+            view = SourceView(names[source[0]], source[1], tuple(source[2]), tuple(source[3]))
+        return RecordedWrite(
+            op=op,
+            offset=offset,
+            shape=tuple(shape),
+            stride=tuple(stride),
+            source=view,
+            fill_value=fill_value,
+            feeds=tuple(names[i] for i in feeds),
+        )
+
+    params = {}
+    for name, shape, dtype, nbytes, feeds, writes in data["params"]:
+        params[name] = ParamPlan(
+            name=name,
+            shape=tuple(shape),
+            dtype=_dtype(dtype),
+            nbytes=nbytes,
+            feeds=tuple(names[i] for i in feeds),
+            writes=tuple(write(w) for w in writes),
+        )
+    return WritePlan(params=params, hf_specs=hf_specs, derived=tuple(data.get("derived", ())))
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, partial = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(partial, path)
+    except BaseException:
+        try:
+            os.unlink(partial)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def read_entry(path: str | os.PathLike) -> tuple[dict, WritePlan]:
+    """(key as JSON, plan) of one cache entry, checksum verified; for carrying plans to a host without SGLang."""
+    header_line, body = Path(path).read_text().split("\n", 1)
+    header = json.loads(header_line)
+    if header.get("sha256") != hashlib.sha256(body.encode()).hexdigest():
+        raise ValueError(f"{path}: checksum mismatch (truncated or modified)")
+    return header["key"], plan_from_json(json.loads(body))
+
+
+class PlanCache:
+    """A directory of write plans, one file per `PlanKey`."""
+
+    def __init__(self, directory: str | os.PathLike):
+        self.directory = Path(directory)
+
+    @classmethod
+    def from_option(cls, option: str | None) -> PlanCache | None:
+        """`plan_cache_dir` semantics: None -> the default directory, "" -> no cache."""
+        if option is None:
+            return cls(default_plan_cache_dir())
+        if option == "":
+            return None
+        return cls(os.path.expanduser(option))
+
+    def path(self, key: PlanKey) -> Path:
+        version = "".join(c if c.isalnum() or c in ".-" else "_" for c in key.sglang_version)
+        return self.directory / f"plan-sglang{version}-{key.digest[:32]}.json"
+
+    def load(self, key: PlanKey) -> WritePlan | None:
+        """The cached plan of `key`, or None (missing; unreadable, corrupt or foreign entries are logged)."""
+        path = self.path(key)
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            logger.warning("p2p plan cache: cannot read %s (%s); capturing the plan again", path, exc)
+            return None
+        try:
+            header_line, body = text.split("\n", 1)
+            header = json.loads(header_line)
+            if header.get("key") != key.as_json():
+                raise ValueError("the entry was written for another key")
+            if header.get("sha256") != hashlib.sha256(body.encode()).hexdigest():
+                raise ValueError("checksum mismatch (truncated or modified)")
+            return plan_from_json(json.loads(body))
+        except Exception as exc:  # any defect of the file means: capture again
+            logger.warning("p2p plan cache: ignoring corrupt entry %s (%s); capturing the plan again", path, exc)
+            return None
+
+    def save(self, key: PlanKey, plan: WritePlan) -> Path:
+        body = json.dumps(plan_to_json(plan), separators=(",", ":"))
+        header = {"key": key.as_json(), "sha256": hashlib.sha256(body.encode()).hexdigest()}
+        path = self.path(key)
+        _atomic_write(path, json.dumps(header, sort_keys=True) + "\n" + body)
+        return path
+
+    # ---- the ServerArgs field names of an SGLang release (to compute the key without importing SGLang) ----
+
+    def _fields_path(self, version: str) -> Path:
+        safe = "".join(c if c.isalnum() or c in ".-" else "_" for c in version)
+        return self.directory / f"server_args_fields-sglang{safe}.json"
+
+    def server_args_fields(self, version: str) -> frozenset[str] | None:
+        path = self._fields_path(version)
+        try:
+            data = json.loads(path.read_text())
+            if data.get("sglang_version") != version or not isinstance(data.get("fields"), list):
+                raise ValueError("not a field list of this release")
+            return frozenset(str(f) for f in data["fields"])
+        except FileNotFoundError:
+            return None
+        except Exception as exc:
+            logger.warning("p2p plan cache: ignoring unreadable %s (%s)", path, exc)
+            return None
+
+    def save_server_args_fields(self, version: str, fields: frozenset[str]) -> None:
+        text = json.dumps({"sglang_version": version, "fields": sorted(fields)})
+        _atomic_write(self._fields_path(version), text)
+
+
+__all__ = ["PlanCache", "PlanKey", "config_digest", "default_plan_cache_dir", "read_entry"]

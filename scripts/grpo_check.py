@@ -23,8 +23,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-# <|im_start|> user w90 w190 w290 repeat the word w140 <|im_end|> <|im_start|> assistant  (recipes/tiny tokenizer)
-INPUT_IDS = [1, 5, 100, 200, 300, 7, 8, 9, 150, 2, 1, 6]
+# the tiny tokenizer's chat template of PROMPT (tests/test_tiny_recipe.py keeps the two in step)
+PROMPT = [{"role": "user", "content": "w90 w190 w290 repeat the word w140"}]
+INPUT_IDS = [1, 6, 4, 101, 201, 301, 8, 9, 10, 151, 2, 4, 1, 7, 4]
 SAMPLING = {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}
 # the rollout's server args that decide numerics (recipes/tiny_grpo_2gpu.sh, verl's SGLangHttpServer defaults)
 SERVER_ARGS = [
@@ -85,7 +86,7 @@ def cmd_probe(args) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
     deadline = time.monotonic() + args.timeout
     try:
-        state["url"] = url = find_rollout(args.namespace, args.actor, deadline)
+        state["url"] = url = args.url or find_rollout(args.namespace, args.actor, deadline)
     except Exception as exc:
         state["errors"].append(f"rollout server not found: {exc!r}")
         write_json(out, state)
@@ -145,8 +146,9 @@ def cmd_fresh(args) -> int:
         return 1
     gpu = freest_gpu()
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpu}
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(hf_dir), "--host", "127.0.0.1",
-           "--port", str(args.port), "--mem-fraction-static", str(args.mem_fraction), *SERVER_ARGS]  # fmt: skip
+    launcher = json.loads(args.server_cmd) if args.server_cmd else [sys.executable, "-m", "sglang.launch_server"]
+    cmd = [*launcher, "--model-path", str(hf_dir), "--host", "127.0.0.1", "--port", str(args.port),
+           "--mem-fraction-static", str(args.mem_fraction), *SERVER_ARGS]  # fmt: skip
     result.update(gpu=gpu, command=cmd, started_at=time.time())
     log = open(args.log, "w")  # noqa: SIM115 - the server writes it until killed
     server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -262,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("probe")
     p.add_argument("--namespace", default="verl_p2p_tiny")
     p.add_argument("--actor", default="sglang_server_0_0")
+    p.add_argument("--url", help="the rollout's address, instead of finding verl's server actor through Ray")
     p.add_argument("--out", required=True)
     p.add_argument("--poll", type=float, default=0.2)
     p.add_argument("--timeout", type=float, default=600)
@@ -276,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--port", type=int, default=31000)
     f.add_argument("--mem-fraction", type=float, default=0.15)
     f.add_argument("--timeout", type=float, default=560)
+    f.add_argument("--server-cmd", help="JSON list launching the server (default: python -m sglang.launch_server)")
     s = sub.add_parser("summary")
     s.add_argument("--log", required=True)
     s.add_argument("--metrics", required=True)
@@ -289,4 +293,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    # the probe is a second Ray driver of a cluster that is gone by now: skip Ray's exit-time disconnect
+    os._exit(code)

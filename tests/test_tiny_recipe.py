@@ -120,9 +120,32 @@ def test_tiny_model_and_data_load_like_verls_trainer(tiny_dir):
     ids = tokenizer.apply_chat_template(item["raw_prompt"], add_generation_prompt=True, tokenize=True)
     ids = ids["input_ids"] if hasattr(ids, "keys") else ids
     assert tokenizer.unk_token_id not in ids and len(ids) <= cfg.data.max_prompt_length
-    assert tokenizer.decode(ids[-2:]) == "<|im_start|> assistant"
+    assert tokenizer.decode(ids[-3:]) == "<|im_start|> assistant \n"
     batch = collate_fn([train[i] for i in range(cfg.data.train_batch_size)])
     assert len(batch["raw_prompt"]) == cfg.data.train_batch_size
+
+
+def test_prompt_tokens_are_what_verls_qwen3_agent_loop_builds(tiny_dir):
+    """verl's agent loop builds prompts with its Qwen3 continuous-token builder (one newline token, ChatML turns);
+    the GPU run's greedy probe uses the same token ids for its fixed prompt."""
+    import pandas as pd
+    from verl.utils import hf_tokenizer
+    from verl.utils.tokenizer.continuous_token_wiring import create_continuous_token_builder
+
+    spec = importlib.util.spec_from_file_location("grpo_check", ROOT / "scripts" / "grpo_check.py")
+    grpo_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(grpo_check)
+
+    tokenizer = hf_tokenizer(str(tiny_dir / "model"))
+    builder = create_continuous_token_builder(tokenizer, hf_model_type="qwen3")
+    messages = [dict(m) for m in pd.read_parquet(tiny_dir / "data" / "train.parquet").iloc[0]["prompt"]]
+
+    def template(msgs):
+        ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    assert list(builder.build_initial_tokens(messages)) == template(messages)
+    assert list(builder.build_initial_tokens(grpo_check.PROMPT)) == template(grpo_check.PROMPT) == grpo_check.INPUT_IDS
 
 
 def test_tiny_reward_scores_the_share_of_repeated_words():

@@ -1,7 +1,7 @@
 """Write the tiny GRPO run's model and data locally (nothing downloaded): recipes/tiny_grpo_2gpu.sh.
 
 - `<out>/model`: a 2-layer Qwen3 (dense, bf16, random weights) as an HF checkpoint with its own tokenizer: a
-  word-level `tokenizers` vocabulary (`w0` .. `wN`, the chat roles and Qwen's special tokens) saved as
+  word-level `tokenizers` vocabulary (`w0` .. `wN`, the chat roles, Qwen's special tokens and a newline) saved as
   tokenizer.json + tokenizer_config.json with a chat template, so `transformers.AutoTokenizer`, verl and SGLang
   load it like any Qwen checkpoint. vocab_size = the tokenizer's size (a multiple of 128: no padding anywhere).
 - `<out>/data/{train,val}.parquet`: verl's RL dataset format (chat-message `prompt`, `data_source`,
@@ -20,10 +20,12 @@ from pathlib import Path
 
 VOCAB_SIZE = 512
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
+NEWLINE = "\n"  # one token, as in Qwen's vocabulary: verl's Qwen continuous-token builder requires it
 ROLES = ["system", "user", "assistant", "repeat", "the", "word"]
+# Qwen's ChatML layout (what verl's Qwen3 prompt builder expects around turns)
 CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }} {{ message['content'] }}<|im_end|>{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant{% endif %}"
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 DATA_SOURCE = "tiny_repeat"
 
@@ -48,8 +50,8 @@ MODEL = dict(
 
 
 def vocabulary() -> list[str]:
-    words = [f"w{i}" for i in range(VOCAB_SIZE - len(SPECIALS) - len(ROLES))]
-    return SPECIALS + ROLES + words
+    words = [f"w{i}" for i in range(VOCAB_SIZE - len(SPECIALS) - 1 - len(ROLES))]
+    return SPECIALS + [NEWLINE] + ROLES + words
 
 
 def write_tokenizer(path: Path):
@@ -61,6 +63,7 @@ def write_tokenizer(path: Path):
     core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])
+    core.add_tokens([AddedToken(NEWLINE, special=False, normalized=False)])
     tok = PreTrainedTokenizerFast(
         tokenizer_object=core,
         eos_token="<|im_end|>",
@@ -111,7 +114,7 @@ def write_model(path: Path, seed: int) -> None:
 
 
 def rows(n: int, split: str, rng: random.Random) -> list[dict]:
-    words = vocabulary()[len(SPECIALS) + len(ROLES) :]
+    words = vocabulary()[len(SPECIALS) + 1 + len(ROLES) :]
     out = []
     for index in range(n):
         target = rng.choice(words)

@@ -49,6 +49,15 @@ def check_p2p_config(cfg, module: str) -> RolloutConfig:
     return rollout_config
 
 
+def ray_env_as_verl_passes_it(cfg) -> dict:
+    """The Ray workers' env_vars as verl 0.9.1's run_ppo hands them to ray.init (no interpolation resolved)."""
+    from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
+
+    ray_init = cfg.ray_kwargs.get("ray_init", {})
+    runtime_env = OmegaConf.merge(get_ppo_ray_runtime_env(cfg), ray_init.get("runtime_env", {}))
+    return OmegaConf.to_container(OmegaConf.create({**ray_init, "runtime_env": runtime_env}))["runtime_env"]["env_vars"]
+
+
 def _task(module: str):
     def main():  # stands for the entry's @hydra.main task function
         pass
@@ -101,6 +110,9 @@ def test_recipe_composes_and_resolves(script: Path):
     module, args = recipe_command(script)
     cfg = compose_config(module, args)
     rollout_config = check_p2p_config(cfg, module)
+    env = ray_env_as_verl_passes_it(cfg)
+    assert env["MOONCAKE_PROTOCOL"] == rollout_config.checkpoint_engine.engine_kwargs["p2p"]["protocol"]
+    assert not [k for k, v in env.items() if "${" in str(v)], env  # the rollout servers would see the literal text
     assert cfg.algorithm.adv_estimator == "grpo"
     assert cfg.actor_rollout_ref.actor.strategy == "megatron"
     assert rollout_config.name == "sglang"

@@ -7,12 +7,13 @@
 #      weight version; `fresh` starts a plain SGLang server on the trainer's HF export of step STEPS-1,
 #   4. compare the two greedy outputs and write $OUT/summary.json (scripts/grpo_check.py summary).
 # Everything under $OUT comes back: setup.log run.log metrics.jsonl probe.json compare.json fresh_server.log
-# summary.json. Exit 0 only when the summary's "ok" is true.
+# summary.json. Exit 0 only when the summary's "ok" is true. Arguments are extra Hydra overrides for the recipe.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 OUT=${OUT:-/tmp/verl-p2p-grpo-out}
 STACK=${STACK:-/tmp/stack}
+SITE_ROOT=${SITE_ROOT:-/tmp}  # the stack unpacks to $SITE_ROOT/site
 STEPS=${STEPS:-4}
 BUDGET_S=${BUDGET_S:-570}  # whole script, inside the device's 600 s
 mkdir -p "$OUT"
@@ -21,7 +22,7 @@ left() { echo $((BUDGET_S - (SECONDS - start))); }
 
 # NVLink multicast stays off on that machine (NCCL, PyTorch symmetric memory, NVSHMEM): every process below.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONPATH="/tmp/site:$root" CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} PYTHONUNBUFFERED=1
+export PYTHONPATH="$SITE_ROOT/site:$root" CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=disabled RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled
 # memory on that machine grows as it is used (MemTotal reads small at first): no Ray OOM killer on stale numbers
 export RAY_memory_monitor_refresh_ms=0
@@ -30,10 +31,10 @@ export CKPTS_DIR="$TINY_DIR/ckpts"
 
 (
     echo "== unpack $(date -u +%T)"
-    if [[ ! -d /tmp/site/verl ]]; then
+    if [[ ! -d "$SITE_ROOT/site/verl" ]]; then
         ls -la "$STACK"/part.* || { echo "no stack parts in $STACK (carry scripts/gpu_wheels.sh's parts first)"; exit 2; }
         cat "$STACK"/part.* | python3 -c 'import sys, tarfile
-tarfile.open(fileobj=sys.stdin.buffer, mode="r|xz").extractall("/tmp", filter="tar")' || exit 2
+tarfile.open(fileobj=sys.stdin.buffer, mode="r|xz").extractall(sys.argv[1], filter="tar")' "$SITE_ROOT" || exit 2
     fi
     echo "== imports $(date -u +%T)"
     nvidia-smi -L
@@ -62,7 +63,7 @@ python3 scripts/grpo_check.py fresh --ckpts "$CKPTS_DIR" --step $((STEPS - 1)) -
 fresh_pid=$!
 
 echo "== run (limit $(($(left) - 60)) s) $(date -u +%T)"
-timeout -k 10 $(($(left) - 60)) bash recipes/tiny_grpo_2gpu.sh >"$OUT/run.log" 2>&1
+timeout -k 10 $(($(left) - 60)) bash recipes/tiny_grpo_2gpu.sh "$@" >"$OUT/run.log" 2>&1
 rc=$?
 touch "$done_file"
 echo "== run exit $rc after $((SECONDS - start)) s"

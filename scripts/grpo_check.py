@@ -63,10 +63,10 @@ def write_json(path: Path, obj) -> None:
 # ---- probe -----------------------------------------------------------------------------------------------------
 
 
-def find_rollout(namespace: str, actor: str, deadline: float) -> str:
+def find_rollout(namespace: str, actor: str, deadline: float, stopped=lambda: False) -> str:
     import ray
 
-    while True:
+    while not stopped():
         try:
             if not ray.is_initialized():
                 ray.init(address="auto", namespace=namespace, log_to_driver=False, logging_level="ERROR")
@@ -77,6 +77,7 @@ def find_rollout(namespace: str, actor: str, deadline: float) -> str:
             if time.monotonic() > deadline:
                 raise
             time.sleep(2)
+    raise RuntimeError("stopped before verl's rollout server was found")
 
 
 def cmd_probe(args) -> int:
@@ -85,8 +86,9 @@ def cmd_probe(args) -> int:
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
     deadline = time.monotonic() + args.timeout
+    write_json(out, state)
     try:
-        state["url"] = url = args.url or find_rollout(args.namespace, args.actor, deadline)
+        state["url"] = url = args.url or find_rollout(args.namespace, args.actor, deadline, lambda: stop["now"])
     except Exception as exc:
         state["errors"].append(f"rollout server not found: {exc!r}")
         write_json(out, state)
@@ -228,7 +230,9 @@ def cmd_summary(args) -> int:
     steps, source = step_metrics(Path(args.metrics), log_text)
     trained = {s: m for s, m in steps.items() if "training/global_step" in m}
     per_step = {s: {k: v for k, v in sorted(m.items()) if k.startswith(P2P_PREFIX)} for s, m in sorted(trained.items())}
-    check_lines = [ln.strip() for ln in log_text.splitlines() if "check_weight_update_equal" in ln]
+    # verl_p2p's checker lines ("check_weight_update_equal: <what happened>") and any WeightCheckError
+    marks = ("check_weight_update_equal: ", "WeightCheckError")
+    check_lines = [ln.strip()[:400] for ln in log_text.splitlines() if any(m in ln for m in marks)]
     failed = [ln for ln in check_lines if "failed" in ln or "WeightCheckError" in ln]
     compare = json.loads(Path(args.compare).read_text()) if Path(args.compare).exists() else {}
     probe = json.loads(Path(args.probe).read_text()) if Path(args.probe).exists() else {}

@@ -164,3 +164,12 @@ def test_fresh_server_on_the_export_is_compared_with_the_last_rollout_version(tm
     assert compare["fresh"]["output_ids"] == expected(served_version) and compare["hf_dir"] == str(hf)
     with socket.socket() as s:  # the server (its own process group) is gone
         assert s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_config_dumps_and_override_lists_are_no_verdict(tmp_path):
+    noise = [
+        "(OneStepTaskRunner pid=7)      'check_weight_update_equal': True,",
+        "Error executing job with overrides: ['...p2p.check_weight_update_equal=true']",
+    ]
+    s = run(tmp_path, noise + [console(i) for i in (1, 2, 3, 4)])
+    assert s["first_sync_weight_check"] == {"passed": False, "log_lines": []}

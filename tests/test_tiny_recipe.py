@@ -154,3 +154,24 @@ def test_tiny_reward_scores_the_share_of_repeated_words():
     spec.loader.exec_module(reward)
     assert reward.compute_score("tiny_repeat", "w7 w7 w3 w7", "w7") == 0.75
     assert reward.compute_score("tiny_repeat", "", "w7") == 0.0
+
+
+def test_run_setup_module_shows_p2p_info_lines_and_enables_te_free():
+    """Every process of the run imports tiny_run_setup through verl; the weight check's verdict (an INFO line of
+    verl_p2p.rollout.checker) must reach the log that scripts/grpo_check.py reads."""
+    code = (
+        "import logging, sys\n"
+        "import verl\n"
+        "from verl_p2p.sandbox import te_free\n"
+        "assert any(isinstance(f, te_free._Hook) for f in sys.meta_path), 'TE-free hook not installed'\n"
+        "log = logging.getLogger('verl_p2p.rollout.checker')\n"
+        "log.info('check_weight_update_equal: compare passed on 1 replica(s)')\n"
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "recipes" / "tiny"), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "VERL_USE_EXTERNAL_MODULES": "tiny_run_setup",
+    }
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "check_weight_update_equal: compare passed on 1 replica(s)" in proc.stderr

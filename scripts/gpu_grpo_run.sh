@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The tiny GRPO run on the 2-GPU H200 machine, in one device call (at most 10 minutes):
-#   1. unpack the stack carried in earlier calls (scripts/gpu_wheels.sh parts in $STACK, default /tmp/stack),
+#   1. unpack the stack carried in earlier calls (scripts/gpu_wheels.sh parts in $STACK, default /tmp/stack; a part
+#      this call carries in .gpu-grpo/ is copied there first),
 #   2. write the tiny model and data (recipes/tiny/make_tiny.py),
 #   3. run recipes/tiny_grpo_2gpu.sh (verl one_step_off, Megatron on one GPU, SGLang on the other, p2p syncs, the
 #      first one checked) with scripts/grpo_check.py beside it: `probe` records the rollout's greedy output at each
@@ -31,6 +32,9 @@ export CKPTS_DIR="$TINY_DIR/ckpts"
 
 (
     echo "== unpack $(date -u +%T)"
+    if compgen -G ".gpu-grpo/part.*" >/dev/null; then  # a part carried by this very call
+        mkdir -p "$STACK" && cp .gpu-grpo/part.* "$STACK"/
+    fi
     if [[ ! -d "$SITE_ROOT/site/verl" ]]; then
         ls -la "$STACK"/part.* || { echo "no stack parts in $STACK (carry scripts/gpu_wheels.sh's parts first)"; exit 2; }
         cat "$STACK"/part.* | python3 -c 'import sys, tarfile

@@ -21,7 +21,12 @@ P2P_KWARGS=actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.p2p
 
 # Overrides every recipe adds after its own.
 p2p_overrides() {
-    P2P_OVERRIDES=("${P2P_KWARGS}.protocol=${MOONCAKE_PROTOCOL}")
+    # verl's run_ppo hands ray_kwargs.ray_init to ray.init without resolving interpolations, so the conf's
+    # `MOONCAKE_PROTOCOL: ${...p2p.protocol}` would reach the rollout servers as that literal text: set it plainly.
+    P2P_OVERRIDES=(
+        "${P2P_KWARGS}.protocol=${MOONCAKE_PROTOCOL}"
+        "ray_kwargs.ray_init.runtime_env.env_vars.MOONCAKE_PROTOCOL=${MOONCAKE_PROTOCOL}"
+    )
     if [[ -n "${P2P_DEVICE_NAME:-}" ]]; then
         P2P_OVERRIDES+=("${P2P_KWARGS}.device_name=${P2P_DEVICE_NAME}")
     fi

@@ -24,6 +24,7 @@ from verl_p2p.rollout.launch import p2p_server_args
 
 RECIPES = sorted((ROOT / "recipes").glob("*.sh"))
 RECIPES = [r for r in RECIPES if r.name != "common.sh"]
+TINY = ROOT / "recipes" / "tiny_grpo_2gpu.sh"  # checks its own weights by default; see test_tiny_recipe.py
 
 
 def check_p2p_config(cfg, module: str) -> RolloutConfig:
@@ -46,6 +47,15 @@ def check_p2p_config(cfg, module: str) -> RolloutConfig:
     rollout_config = omega_conf_to_dataclass(rollout)  # verl's own validation of the rollout section
     assert isinstance(rollout_config, RolloutConfig)
     return rollout_config
+
+
+def ray_env_as_verl_passes_it(cfg) -> dict:
+    """The Ray workers' env_vars as verl 0.9.1's run_ppo hands them to ray.init (no interpolation resolved)."""
+    from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
+
+    ray_init = cfg.ray_kwargs.get("ray_init", {})
+    runtime_env = OmegaConf.merge(get_ppo_ray_runtime_env(cfg), ray_init.get("runtime_env", {}))
+    return OmegaConf.to_container(OmegaConf.create({**ray_init, "runtime_env": runtime_env}))["runtime_env"]["env_vars"]
 
 
 def _task(module: str):
@@ -100,11 +110,14 @@ def test_recipe_composes_and_resolves(script: Path):
     module, args = recipe_command(script)
     cfg = compose_config(module, args)
     rollout_config = check_p2p_config(cfg, module)
+    env = ray_env_as_verl_passes_it(cfg)
+    assert env["MOONCAKE_PROTOCOL"] == rollout_config.checkpoint_engine.engine_kwargs["p2p"]["protocol"]
+    assert not [k for k, v in env.items() if "${" in str(v)], env  # the rollout servers would see the literal text
     assert cfg.algorithm.adv_estimator == "grpo"
     assert cfg.actor_rollout_ref.actor.strategy == "megatron"
     assert rollout_config.name == "sglang"
-    assert rollout_config.checkpoint_engine.engine_kwargs["p2p"]["check_weight_update_equal"] is False
-    assert "Qwen3" in cfg.actor_rollout_ref.model.path
+    assert rollout_config.checkpoint_engine.engine_kwargs["p2p"]["check_weight_update_equal"] is (script == TINY)
+    assert ("Qwen3" in cfg.actor_rollout_ref.model.path) is (script != TINY)
     if module == "verl.trainer.main_ppo":
         assert cfg.trainer.v1.trainer_mode == "separate_async"
         assert cfg.data.train_batch_size == (

@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# The tiny GRPO run on the 2-GPU H200 machine, in one device call (at most 10 minutes):
+#   1. unpack the stack carried in earlier calls (scripts/gpu_wheels.sh parts in $STACK, default /tmp/stack; a part
+#      this call carries in .gpu-grpo/ is copied there first),
+#   2. write the tiny model and data (recipes/tiny/make_tiny.py),
+#   3. run recipes/tiny_grpo_2gpu.sh (verl one_step_off, Megatron on one GPU, SGLang on the other, p2p syncs, the
+#      first one checked) with scripts/grpo_check.py beside it: `probe` records the rollout's greedy output at each
+#      weight version; `fresh` starts a plain SGLang server on the trainer's HF export of step STEPS-1,
+#   4. compare the two greedy outputs and write $OUT/summary.json (scripts/grpo_check.py summary).
+# Everything under $OUT comes back: setup.log run.log metrics.jsonl probe.json compare.json fresh_server.log
+# summary.json. Exit 0 only when the summary's "ok" is true. Arguments are extra Hydra overrides for the recipe.
+set -uo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+OUT=${OUT:-/tmp/verl-p2p-grpo-out}
+STACK=${STACK:-/tmp/stack}
+SITE_ROOT=${SITE_ROOT:-/tmp}  # the stack unpacks to $SITE_ROOT/site
+STEPS=${STEPS:-4}
+BUDGET_S=${BUDGET_S:-570}  # whole script, inside the device's 600 s
+mkdir -p "$OUT"
+start=$SECONDS
+left() { echo $((BUDGET_S - (SECONDS - start))); }
+
+# NVLink multicast stays off on that machine (NCCL, PyTorch symmetric memory, NVSHMEM): every process below.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH="$SITE_ROOT/site:$root" CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} PYTHONUNBUFFERED=1
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=disabled RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled
+# memory on that machine grows as it is used (MemTotal reads small at first): no Ray OOM killer on stale numbers
+export RAY_memory_monitor_refresh_ms=0
+export TINY_DIR=/tmp/verl-p2p-tiny STEPS VERL_FILE_LOGGER_PATH="$OUT/metrics.jsonl"
+export CKPTS_DIR="$TINY_DIR/ckpts"
+
+(
+    echo "== unpack $(date -u +%T)"
+    if compgen -G ".gpu-grpo/part.*" >/dev/null; then  # a part carried by this very call
+        mkdir -p "$STACK" && cp .gpu-grpo/part.* "$STACK"/
+    fi
+    if [[ ! -d "$SITE_ROOT/site/verl" ]]; then
+        ls -la "$STACK"/part.* || { echo "no stack parts in $STACK (carry scripts/gpu_wheels.sh's parts first)"; exit 2; }
+        cat "$STACK"/part.* | python3 -c 'import sys, tarfile
+tarfile.open(fileobj=sys.stdin.buffer, mode="r|xz").extractall(sys.argv[1], filter="tar")' "$SITE_ROOT" || exit 2
+    fi
+    echo "== imports $(date -u +%T)"
+    nvidia-smi -L
+    python3 - <<'EOF' || exit 3
+import importlib.metadata as md, torch
+import verl, ray, sglang, megatron.core, transformers, tokenizers, hydra  # noqa: F401
+from mooncake.engine import TransferEngine  # noqa: F401
+import verl.trainer.main_ppo, verl.experimental.one_step_off_policy.main_ppo  # noqa: F401
+import verl_p2p.backend.engine, verl_p2p.backend.manager  # noqa: F401
+print({n: md.version(n) for n in ("verl", "ray", "sglang", "megatron-core", "megatron-bridge", "transformers",
+       "tokenizers", "torch", "mooncake-transfer-engine-cuda13")}, "gpus:", torch.cuda.device_count())
+EOF
+    echo "== tiny model and data $(date -u +%T)"
+    rm -rf "$TINY_DIR"
+    python3 recipes/tiny/make_tiny.py "$TINY_DIR" --train $((8 * STEPS)) || exit 4
+    echo "== ready after $((SECONDS - start)) s"
+) >"$OUT/setup.log" 2>&1 || { echo "setup failed: see setup.log"; tail -40 "$OUT/setup.log"; exit 1; }
+cat "$OUT/setup.log"
+
+done_file="$TINY_DIR/run.done"
+python3 scripts/grpo_check.py probe --out "$OUT/probe.json" --timeout "$(left)" >/dev/null 2>&1 &
+probe_pid=$!
+python3 scripts/grpo_check.py fresh --ckpts "$CKPTS_DIR" --step $((STEPS - 1)) --version "$STEPS" \
+    --probe "$OUT/probe.json" --done-file "$done_file" --out "$OUT/compare.json" --log "$OUT/fresh_server.log" \
+    --timeout "$(($(left) - 10))" >/dev/null 2>&1 &
+fresh_pid=$!
+
+echo "== run (limit $(($(left) - 60)) s) $(date -u +%T)"
+timeout -k 10 $(($(left) - 60)) bash recipes/tiny_grpo_2gpu.sh "$@" >"$OUT/run.log" 2>&1
+rc=$?
+touch "$done_file"
+echo "== run exit $rc after $((SECONDS - start)) s"
+kill -TERM "$probe_pid" 2>/dev/null
+wait "$probe_pid"
+wait "$fresh_pid"
+echo "== compare done after $((SECONDS - start)) s"
+
+python3 scripts/grpo_check.py summary --log "$OUT/run.log" --metrics "$OUT/metrics.jsonl" --probe "$OUT/probe.json" \
+    --compare "$OUT/compare.json" --steps "$STEPS" --rc "$rc" --out "$OUT/summary.json"
+ok=$?
+# files come back up to 16 MiB each: keep the head (config, start-up) and the tail (steps) of a long log
+for f in "$OUT/run.log" "$OUT/fresh_server.log"; do
+    if [[ -f "$f" && $(stat -c %s "$f") -gt 15000000 ]]; then
+        { head -c 3000000 "$f"; printf '\n[... cut ...]\n'; tail -c 11000000 "$f"; } >"$f.cut" && mv "$f.cut" "$f"
+    fi
+done
+grep -E "step:[0-9]+ - |check_weight_update_equal|Traceback|Error" "$OUT/run.log" | tail -30
+exit $ok

@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# Build, on a networked x86-64 host, everything the H200 device machine lacks for the tiny verl GRPO run
+# (recipes/tiny_grpo_2gpu.sh): SGLang 0.5.12 with its CUDA kernels, Mooncake (CUDA 13 build), verl 0.9.1 and its
+# runtime needs, Ray, megatron-core and Megatron-Bridge. The device has no network and takes at most 64 MiB per
+# call, so the set is installed here into one folder (pip --target, x86-64 manylinux wheels for CPython 3.12),
+# pruned, packed as tar.xz and split into parts of at most 60 MiB.
+#
+# Usage: bash scripts/gpu_wheels.sh [DEST]        (DEST defaults to .gpu-grpo/, git-ignored)
+# Output: DEST/part.aa, part.ab, ...   Carry one part per device call into /tmp/stack, then on the device:
+#   cat /tmp/stack/part.* | python3 -c 'import sys,tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode="r|xz").extractall("/tmp", filter="tar")'
+#   export PYTHONPATH=/tmp/site:$PWD CUDA_HOME=/usr/local/cuda
+# (scripts/gpu_grpo_run.sh does exactly that.)
+#
+# What the device already has (its image 'cuda'): torch 2.11.0+cu130, triton, numpy, pandas, pyarrow, accelerate,
+# peft, safetensors, huggingface-hub, aiohttp, uvloop, requests, psutil, msgpack, einops, protobuf, grpcio, click,
+# filelock, fsspec, xxhash, pyyaml, tqdm, cloudpickle, jinja2, prometheus-client, tensorboard, sentencepiece ...
+# It has transformers 5.17 / tokenizers 0.23, which SGLang 0.5.12 cannot import ('qwen3_asr' registered twice):
+# 5.10.4 / 0.22.2 travel here, inside verl 0.9.1's range (>=5.5.3,<5.11,!=5.6.0) and new enough for
+# Megatron-Bridge 0.6.2 (imports Exaone4_5_ForConditionalGeneration, which 5.6.0 lacks).
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+dest=${1:-.gpu-grpo}
+python=${PYTHON:-.venv/bin/python}
+mkdir -p "$dest"
+dest="$(cd "$dest" && pwd)"
+if git rev-parse --git-dir >/dev/null 2>&1; then
+    rel="${dest#"$root"/}"
+    ex="$(git rev-parse --git-common-dir)/info/exclude"
+    mkdir -p "$(dirname "$ex")"
+    [[ "$rel" == /* ]] || grep -qx "/$rel/" "$ex" 2>/dev/null || echo "/$rel/" >>"$ex"
+fi
+
+plat=()
+for p in manylinux_2_34_x86_64 manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_26_x86_64 \
+    manylinux_2_24_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux_2_5_x86_64 manylinux1_x86_64; do
+    plat+=(--platform "$p")
+done
+
+# SGLang 0.5.12 server (verl 0.9.1's pin) with triton attention; the transformers/tokenizers every side imports.
+sglang=(sglang==0.5.12 sglang-kernel==0.4.2.post2 flashinfer-python==0.6.11.post1 xgrammar==0.2.0
+    transformers==5.10.4 tokenizers==0.22.2 apache-tvm-ffi==0.1.9
+    pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.7.0 typing-inspection==0.4.5
+    fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 python-multipart==0.0.34 opentelemetry-api==1.45.2
+    orjson==3.13.0 pybase64==1.5.1 msgspec==0.23.0 setproctitle==1.3.8 partial-json-parser==0.2.1.1.post7
+    gguf==0.19.0 compressed-tensors==0.20.1 pyzmq==27.3.0 ipython==9.18.1 traitlets==5.16.1
+    openai==2.6.1 jiter==0.14.0 distro==1.9.0 sniffio==1.3.1 soundfile==0.13.1 cffi==2.1.1 pycparser==2.23
+    jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1
+    loguru==0.7.3 dill==0.4.1 mooncake-transfer-engine-cuda13==0.3.14)
+# verl 0.9.1 and what its trainer, workers and RL dataset import (ray's own needs are on the device).
+verl=(verl==0.9.1 ray==2.60.0 hydra-core==1.3.8 omegaconf==2.3.1 tensordict==0.10.0 pyvers==0.1.0
+    importlib-metadata==10.2.0 torchdata==0.11.0 codetiming==1.4.0 datasets==5.2.0 multiprocess==0.70.19
+    pylatexenc==2.11 cachetools==8.0.2)
+# Megatron trainer: megatron-core and Megatron-Bridge (its declared deps are mostly optional extras). verl's HF
+# checkpoint (AutoBridge.save_hf_weights) imports ModelOpt's is_quantized, and ModelOpt imports pulp (its solver
+# binaries are dropped below); ModelOpt's scipy, nvidia-ml-py, ninja, rich are on the device.
+megatron=(megatron-core==0.19.2 megatron-bridge==0.6.2 nvidia-modelopt==0.44.0 pulp==3.3.2)
+
+wheels="$dest/wheels"
+stamp="$(printf '%s\n' "${sglang[@]}" "${verl[@]}" "${megatron[@]}" | sha256sum | cut -c1-16)"
+[[ "$(cat "$dest/.stamp" 2>/dev/null)" == "$stamp" ]] || rm -rf "$wheels"  # a changed list starts afresh
+rm -rf "$dest/site" "$dest"/part.*
+mkdir -p "$wheels"
+"$python" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${plat[@]}" \
+    -d "$wheels" "${sglang[@]}" "${verl[@]}" "${megatron[@]}"
+# hydra's parser runtime is an sdist only: build its (pure-Python) wheel here.
+"$python" -m pip wheel -q --no-deps -w "$wheels" antlr4-python3-runtime==4.9.3
+echo "$stamp" >"$dest/.stamp"
+
+# Install into one tree as the device will see it (no byte-code: the device's 3.12.3 writes its own).
+"$python" -m pip install -q --no-deps --no-compile --no-warn-script-location --target "$dest/site" "$wheels"/*.whl
+
+# Never loaded on the device's run: keep the parts few.
+site="$dest/site"
+# Ray: the Java jars, the dashboard's web client, the libraries (serve, tune, train, data, rllib, llm).
+rm -rf "$site"/bin "$site"/ray/jars "$site"/ray/dashboard/client "$site"/ray/tests "$site"/ray/air/tests \
+    "$site"/ray/serve "$site"/ray/rllib "$site"/ray/tune "$site"/ray/train "$site"/ray/data "$site"/ray/llm \
+    "$site"/megatron/bridge/recipes
+# The triton attention path never loads FlashAttention-3, FlashMLA or sm100 kernels (307 MiB wheel); mscclpp is
+# built for CPython 3.10 (never importable here) and serves TP>1 all-reduce only.
+rm -f "$site"/sgl_kernel/flash_ops.abi3.so "$site"/sgl_kernel/flashmla_ops.abi3.so "$site"/_mscclpp.cpython-310-*.so
+rm -rf "$site"/sgl_kernel/sm100 "$site"/lib
+# Mooncake: only mooncake.engine (TransferEngine: engine.so + libasio + libetcd_wrapper) is used; not the store,
+# its master/client binaries, the torch process-group backend or expert parallelism.
+rm -f "$site"/mooncake/mooncake_client "$site"/mooncake/mooncake_master "$site"/mooncake/transfer_engine_bench \
+    "$site"/mooncake/_store.cpython-*.so "$site"/mooncake/_ep.cpython-*.so "$site"/mooncake/libmooncake_pg*.so \
+    "$site"/mooncake/libmooncake_ep_device.so
+rm -f "$site"/xgrammar/lib/*.a  # static archive, never loaded
+rm -rf "$site"/pulp/solverdir "$site"/pulp/tests  # LP solver binaries: ModelOpt only imports pulp
+find "$site" -name __pycache__ -type d -prune -exec rm -rf {} +
+find "$site" -path '*/tests/*' -name 'test_*.py' -delete
+
+du -sh "$site"
+tar -C "$dest" -cf - site | xz -T0 -6 | split -b 60M - "$dest/part."
+ls -la "$dest"/part.*
+echo "$(ls "$dest"/part.* | wc -l) part(s) of at most 60 MiB in $dest: one device call per part (see recipes/README.md)"

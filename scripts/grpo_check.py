@@ -1,0 +1,303 @@
+"""Checks around the tiny GRPO run on the GPU machine (scripts/gpu_grpo_run.sh runs them beside the recipe).
+
+probe    beside the run: find verl's SGLang server actor (Ray namespace of recipes/tiny_grpo_2gpu.sh), and at every
+         new weight version ask the rollout for a greedy completion of fixed input_ids; a record counts only when
+         /model_info gives the same version before and after and the response carries it too (no sync in between).
+fresh    once the trainer's HF export of step STEPS-1 is complete (one step off: the weights the rollout holds
+         after the last sync, version STEPS), start a plain SGLang server on it with the rollout's server args, and
+         after the run compare its greedy output_ids with the rollout's for version STEPS.
+summary  steps completed, each step's checkpoint_engine/p2p/* metrics (verl's file logger, else its console
+         lines), the first sync's weight check, the greedy comparison: one JSON file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+# the tiny tokenizer's chat template of PROMPT (tests/test_tiny_recipe.py keeps the two in step)
+PROMPT = [{"role": "user", "content": "w90 w190 w290 repeat the word w140"}]
+INPUT_IDS = [1, 6, 4, 101, 201, 301, 8, 9, 10, 151, 2, 4, 1, 7, 4]
+SAMPLING = {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}
+# the rollout's server args that decide numerics (recipes/tiny_grpo_2gpu.sh, verl's SGLangHttpServer defaults)
+SERVER_ARGS = [
+    "--dtype", "bfloat16", "--tp-size", "1", "--attention-backend", "triton", "--sampling-backend", "pytorch",
+    "--disable-cuda-graph", "--grammar-backend", "none", "--skip-tokenizer-init", "--skip-server-warmup",
+    "--load-format", "auto",
+]  # fmt: skip
+P2P_PREFIX = "checkpoint_engine/p2p/"
+CHECK_PASSED = "check_weight_update_equal: compare passed"
+
+
+def http(url: str, payload: dict | None = None, timeout: float = 30.0) -> dict:
+    data = None if payload is None else json.dumps(payload).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read() or b"{}")
+
+
+def greedy(url: str) -> dict:
+    out = http(f"{url}/generate", {"input_ids": INPUT_IDS, "sampling_params": SAMPLING}, timeout=60)
+    meta = out.get("meta_info", {})
+    return {
+        "output_ids": out.get("output_ids"),
+        "finish_reason": meta.get("finish_reason"),
+        "weight_version": meta.get("weight_version"),
+    }
+
+
+def write_json(path: Path, obj) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True))
+    os.replace(tmp, path)
+
+
+# ---- probe -----------------------------------------------------------------------------------------------------
+
+
+def find_rollout(namespace: str, actor: str, deadline: float, stopped=lambda: False) -> str:
+    import ray
+
+    while not stopped():
+        try:
+            if not ray.is_initialized():
+                ray.init(address="auto", namespace=namespace, log_to_driver=False, logging_level="ERROR")
+            host, port = ray.get(ray.get_actor(actor).get_server_address.remote(), timeout=10)
+            host = f"[{host}]" if ":" in host else host
+            return f"http://{host}:{port}"
+        except Exception:  # cluster, actor or server not up yet
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(2)
+    raise RuntimeError("stopped before verl's rollout server was found")
+
+
+def cmd_probe(args) -> int:
+    out = Path(args.out)
+    state = {"url": None, "records": {}, "errors": []}
+    stop = {"now": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+    deadline = time.monotonic() + args.timeout
+    write_json(out, state)
+    try:
+        state["url"] = url = args.url or find_rollout(args.namespace, args.actor, deadline, lambda: stop["now"])
+    except Exception as exc:
+        state["errors"].append(f"rollout server not found: {exc!r}")
+        write_json(out, state)
+        return 1
+    write_json(out, state)
+    seen = None
+    while not stop["now"] and time.monotonic() < deadline:
+        try:
+            version = http(f"{url}/model_info", timeout=5).get("weight_version")
+            if version != seen and version is not None:
+                first = greedy(url)
+                after = http(f"{url}/model_info", timeout=5).get("weight_version")
+                stable = first["weight_version"] == version == after and first["finish_reason"] is not None
+                stable = stable and "abort" not in json.dumps(first["finish_reason"])
+                if stable:
+                    second = greedy(url)
+                    first["repeat_equal"] = second["output_ids"] == first["output_ids"]
+                    first["t"] = time.time()
+                    state["records"][str(version)] = first
+                    seen = version
+                    write_json(out, state)
+        except Exception as exc:  # the run ended (server gone) or a sync paused it: try again
+            state["errors"] = (state["errors"] + [repr(exc)])[-20:]
+        time.sleep(args.poll)
+    write_json(out, state)
+    return 0
+
+
+# ---- fresh server ------------------------------------------------------------------------------------------------
+
+
+def freest_gpu() -> str:
+    try:
+        rows = subprocess.run(
+            ["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.split("\n")
+        used = sorted((int(m), i.strip()) for i, m in (r.split(",") for r in rows if r.strip()))
+        return used[0][1]
+    except Exception:
+        return "0"
+
+
+def cmd_fresh(args) -> int:
+    out = Path(args.out)
+    step_dir = Path(args.ckpts) / f"global_step_{args.step}" / "actor"
+    hf_dir, manifest, done = step_dir / "model" / "huggingface", step_dir / "ckpt_contents.json", Path(args.done_file)
+    result: dict = {"hf_dir": str(hf_dir), "version": str(args.version), "equal": False}
+    deadline = time.monotonic() + args.timeout
+    while not manifest.exists() and not done.exists() and time.monotonic() < deadline:
+        time.sleep(1)
+    if not manifest.exists() or not (hf_dir / "config.json").exists():
+        result["error"] = f"no complete HF export at {hf_dir} (manifest {manifest})"
+        write_json(out, result)
+        return 1
+    gpu = freest_gpu()
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpu}
+    launcher = json.loads(args.server_cmd) if args.server_cmd else [sys.executable, "-m", "sglang.launch_server"]
+    cmd = [*launcher, "--model-path", str(hf_dir), "--host", "127.0.0.1", "--port", str(args.port),
+           "--mem-fraction-static", str(args.mem_fraction), *SERVER_ARGS]  # fmt: skip
+    result.update(gpu=gpu, command=cmd, started_at=time.time())
+    log = open(args.log, "w")  # noqa: SIM115 - the server writes it until killed
+    server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{args.port}"
+    try:
+        while time.monotonic() < deadline:
+            if server.poll() is not None:
+                raise RuntimeError(f"fresh SGLang server exited with {server.returncode} (see {args.log})")
+            try:
+                http(f"{url}/model_info", timeout=5)
+                break
+            except Exception:
+                time.sleep(2)
+        else:
+            raise TimeoutError("fresh SGLang server not healthy in time")
+        result["healthy_after_s"] = round(time.time() - result["started_at"], 1)
+        while not done.exists() and time.monotonic() < deadline:
+            time.sleep(1)
+        fresh = greedy(url)
+        fresh["repeat_equal"] = greedy(url)["output_ids"] == fresh["output_ids"]
+        result["fresh"] = fresh
+        probe = json.loads(Path(args.probe).read_text()) if Path(args.probe).exists() else {}
+        rollout = probe.get("records", {}).get(str(args.version))
+        result["rollout"] = rollout
+        if rollout is None:
+            result["error"] = f"the probe recorded no rollout output at weight version {args.version}"
+        else:
+            result["equal"] = rollout["output_ids"] == fresh["output_ids"] and bool(fresh["output_ids"])
+    except Exception as exc:
+        result["error"] = repr(exc)
+    finally:
+        if server.poll() is None:  # the server's own session: it and its scheduler/detokenizer processes
+            os.killpg(server.pid, signal.SIGTERM)
+            try:
+                server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+                server.wait(timeout=10)
+        log.close()
+        write_json(out, result)
+    return 0 if result["equal"] else 1
+
+
+# ---- summary -----------------------------------------------------------------------------------------------------
+
+_CONSOLE = re.compile(r"step:(\d+) - (.*)$")
+
+
+def step_metrics(metrics_jsonl: Path, log_text: str) -> tuple[dict[int, dict], str]:
+    steps: dict[int, dict] = {}
+    if metrics_jsonl.exists():
+        for line in metrics_jsonl.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            steps.setdefault(int(row["step"]), {}).update(row.get("data", {}))
+        if steps:
+            return steps, str(metrics_jsonl)
+    for line in log_text.splitlines():
+        m = _CONSOLE.search(line)
+        if not m:
+            continue
+        row = steps.setdefault(int(m.group(1)), {})
+        for part in m.group(2).split(" - "):
+            key, sep, value = part.rpartition(":")
+            if sep:
+                try:
+                    row[key.strip()] = float(value)
+                except ValueError:
+                    pass
+    return steps, "console log"
+
+
+def cmd_summary(args) -> int:
+    log_text = Path(args.log).read_text(errors="replace") if Path(args.log).exists() else ""
+    steps, source = step_metrics(Path(args.metrics), log_text)
+    trained = {s: m for s, m in steps.items() if "training/global_step" in m}
+    per_step = {s: {k: v for k, v in sorted(m.items()) if k.startswith(P2P_PREFIX)} for s, m in sorted(trained.items())}
+    # verl_p2p's checker lines ("check_weight_update_equal: <what happened>") and any WeightCheckError
+    marks = ("check_weight_update_equal: ", "WeightCheckError")
+    check_lines = [ln.strip()[:400] for ln in log_text.splitlines() if any(m in ln for m in marks)]
+    failed = [ln for ln in check_lines if "failed" in ln or "WeightCheckError" in ln]
+    compare = json.loads(Path(args.compare).read_text()) if Path(args.compare).exists() else {}
+    probe = json.loads(Path(args.probe).read_text()) if Path(args.probe).exists() else {}
+    summary = {
+        "run_exit_code": args.rc,
+        "steps_expected": args.steps,
+        "steps_completed": max(trained, default=0),
+        "metrics_source": source,
+        "p2p_metrics_every_step": bool(per_step) and all(per_step.values()),
+        "p2p_metrics": {str(s): m for s, m in per_step.items()},
+        "first_sync_weight_check": {
+            "passed": any(CHECK_PASSED in ln for ln in check_lines) and not failed,
+            "log_lines": check_lines[:10],
+        },
+        "greedy_vs_fresh_server": compare,
+        "rollout_versions_probed": sorted(probe.get("records", {}), key=lambda v: (len(v), v)),
+    }
+    summary["ok"] = bool(
+        args.rc == 0
+        and summary["steps_completed"] >= args.steps
+        and summary["p2p_metrics_every_step"]
+        and summary["first_sync_weight_check"]["passed"]
+        and compare.get("equal")
+    )
+    write_json(Path(args.out), summary)
+    print(json.dumps({k: summary[k] for k in ("ok", "steps_completed", "p2p_metrics_every_step")}))
+    return 0 if summary["ok"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("probe")
+    p.add_argument("--namespace", default="verl_p2p_tiny")
+    p.add_argument("--actor", default="sglang_server_0_0")
+    p.add_argument("--url", help="the rollout's address, instead of finding verl's server actor through Ray")
+    p.add_argument("--out", required=True)
+    p.add_argument("--poll", type=float, default=0.2)
+    p.add_argument("--timeout", type=float, default=600)
+    f = sub.add_parser("fresh")
+    f.add_argument("--ckpts", required=True)
+    f.add_argument("--step", type=int, required=True)
+    f.add_argument("--version", required=True)
+    f.add_argument("--probe", required=True)
+    f.add_argument("--done-file", required=True)
+    f.add_argument("--out", required=True)
+    f.add_argument("--log", required=True)
+    f.add_argument("--port", type=int, default=31000)
+    f.add_argument("--mem-fraction", type=float, default=0.15)
+    f.add_argument("--timeout", type=float, default=560)
+    f.add_argument("--server-cmd", help="JSON list launching the server (default: python -m sglang.launch_server)")
+    s = sub.add_parser("summary")
+    s.add_argument("--log", required=True)
+    s.add_argument("--metrics", required=True)
+    s.add_argument("--probe", required=True)
+    s.add_argument("--compare", required=True)
+    s.add_argument("--steps", type=int, required=True)
+    s.add_argument("--rc", type=int, required=True)
+    s.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    return {"probe": cmd_probe, "fresh": cmd_fresh, "summary": cmd_summary}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    # the probe is a second Ray driver of a cluster that is gone by now: skip Ray's exit-time disconnect
+    os._exit(code)

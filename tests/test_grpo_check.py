@@ -1,0 +1,175 @@
+"""scripts/grpo_check.py, the checks around the GPU run: `summary` reads verl's own logs, and a run that missed a
+step's p2p metrics, failed the weight check or differs from the fresh server is not ok; `probe` keeps only greedy
+outputs whose weight version held still; `fresh` starts a server on the export and compares (a stand-in server
+here: tests/support/fake_generate_server.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("grpo_check", ROOT / "scripts" / "grpo_check.py")
+grpo_check = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(grpo_check)
+
+CHECKED = (
+    "(OneStepTaskRunner pid=7) INFO:verl_p2p.rollout.checker:check_weight_update_equal: compare passed on 1 replica(s)"
+)
+
+
+def console(step: int, p2p: bool = True) -> str:
+    metrics = f"training/global_step:{step} - training/epoch:0 - actor/pg_loss:-0.01"
+    if p2p:
+        metrics += f" - checkpoint_engine/p2p/bytes:2886144.0 - checkpoint_engine/p2p/seconds/total:0.{step}"
+    return f"(OneStepTaskRunner pid=7) step:{step} - {metrics}"
+
+
+def run(tmp_path: Path, lines: list[str], equal: bool = True, rc: int = 0, jsonl: bool = False) -> dict:
+    (tmp_path / "run.log").write_text("\n".join(lines) + "\n")
+    if jsonl:
+        rows = [
+            {"step": s, "data": {"training/global_step": s, "checkpoint_engine/p2p/bytes": 1.0}} for s in (1, 2, 3, 4)
+        ]
+        (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    (tmp_path / "compare.json").write_text(json.dumps({"equal": equal, "version": "4"}))
+    (tmp_path / "probe.json").write_text(json.dumps({"records": {"0": {}, "4": {}, "10": {}}}))
+    args = [
+        "summary", "--log", str(tmp_path / "run.log"), "--metrics", str(tmp_path / "metrics.jsonl"),
+        "--probe", str(tmp_path / "probe.json"), "--compare", str(tmp_path / "compare.json"),
+        "--steps", "4", "--rc", str(rc), "--out", str(tmp_path / "summary.json"),
+    ]  # fmt: skip
+    grpo_check.main(args)
+    return json.loads((tmp_path / "summary.json").read_text())
+
+
+def test_complete_run_is_ok_with_every_steps_p2p_metrics(tmp_path):
+    s = run(
+        tmp_path, ["step:0 - val-core/tiny_repeat/reward/mean@1:0.01", CHECKED] + [console(i) for i in (1, 2, 3, 4)]
+    )
+    assert s["ok"] and s["steps_completed"] == 4 and s["metrics_source"] == "console log"
+    assert s["p2p_metrics"]["3"] == {
+        "checkpoint_engine/p2p/bytes": 2886144.0,
+        "checkpoint_engine/p2p/seconds/total": 0.3,
+    }
+    assert s["first_sync_weight_check"]["passed"] and s["rollout_versions_probed"] == ["0", "4", "10"]
+
+
+def test_file_logger_is_preferred_over_console_lines(tmp_path):
+    s = run(tmp_path, [CHECKED], jsonl=True)
+    assert s["metrics_source"].endswith("metrics.jsonl") and s["ok"]
+
+
+@pytest.mark.parametrize(
+    "lines, equal, rc",
+    [
+        ([CHECKED] + [console(i, p2p=i != 2) for i in (1, 2, 3, 4)], True, 0),  # a step without sync metrics
+        ([console(i) for i in (1, 2, 3, 4)], True, 0),  # no verdict of the weight check
+        ([CHECKED, "WeightCheckError: check_weight_update_equal after the first sync: compare failed"], True, 1),
+        ([CHECKED] + [console(i) for i in (1, 2, 3)], True, 0),  # stopped early
+        ([CHECKED] + [console(i) for i in (1, 2, 3, 4)], False, 0),  # rollout differs from the fresh server
+    ],
+    ids=["missing-metrics", "no-check", "check-failed", "short", "greedy-differs"],
+)
+def test_incomplete_runs_are_not_ok(tmp_path, lines, equal, rc):
+    assert run(tmp_path, lines, equal=equal, rc=rc)["ok"] is False
+
+
+# ---- probe and fresh, against a stand-in of SGLang's /model_info and /generate ----------------------------------
+
+SCRIPT = str(ROOT / "scripts" / "grpo_check.py")
+FAKE = str(ROOT / "tests" / "support" / "fake_generate_server.py")
+fake = importlib.util.spec_from_file_location("fake_generate_server", FAKE)
+fake_server = importlib.util.module_from_spec(fake)
+fake.loader.exec_module(fake_server)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(predicate, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def records(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text()).get("records", {})
+    except (OSError, ValueError):
+        return {}
+
+
+def expected(version: str) -> list[int]:
+    return fake_server.output_ids(version, grpo_check.INPUT_IDS, grpo_check.SAMPLING["max_new_tokens"])
+
+
+def test_probe_records_the_rollouts_greedy_output_at_each_weight_version(tmp_path):
+    version, port, out = tmp_path / "version", free_port(), tmp_path / "probe.json"
+    version.write_text("0")
+    server = subprocess.Popen([sys.executable, FAKE, "--port", str(port), "--version-file", str(version)])
+    probe = subprocess.Popen(
+        [sys.executable, SCRIPT, "probe", "--url", f"http://127.0.0.1:{port}", "--out", str(out), "--poll", "0.05"]
+    )
+    try:
+        wait_for(lambda: "0" in records(out))
+        version.write_text("3")
+        wait_for(lambda: "3" in records(out))
+        probe.send_signal(signal.SIGTERM)
+        assert probe.wait(timeout=30) == 0
+    finally:
+        for proc in (probe, server):
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=10)
+    got = records(out)
+    assert set(got) == {"0", "3"}
+    for v in ("0", "3"):
+        assert got[v]["output_ids"] == expected(v) and got[v]["repeat_equal"] and got[v]["weight_version"] == v
+
+
+@pytest.mark.parametrize("served_version, equal", [("4", True), ("5", False)], ids=["same-weights", "different"])
+def test_fresh_server_on_the_export_is_compared_with_the_last_rollout_version(tmp_path, served_version, equal):
+    ckpts = tmp_path / "ckpts"
+    hf = ckpts / "global_step_3" / "actor" / "model" / "huggingface"
+    hf.mkdir(parents=True)
+    (hf / "config.json").write_text("{}")
+    (ckpts / "global_step_3" / "actor" / "ckpt_contents.json").write_text("{}")
+    (tmp_path / "probe.json").write_text(json.dumps({"records": {"4": {"output_ids": expected("4")}}}))
+    (tmp_path / "done").touch()
+    version, port = tmp_path / "version", free_port()
+    version.write_text(served_version)
+    launcher = json.dumps([sys.executable, FAKE, "--version-file", str(version)])
+    args = [
+        sys.executable, SCRIPT, "fresh", "--ckpts", str(ckpts), "--step", "3", "--version", "4",
+        "--probe", str(tmp_path / "probe.json"), "--done-file", str(tmp_path / "done"),
+        "--out", str(tmp_path / "compare.json"), "--log", str(tmp_path / "fresh.log"), "--port", str(port),
+        "--timeout", "60", "--server-cmd", launcher,
+    ]  # fmt: skip
+    rc = subprocess.run(args, timeout=90).returncode
+    compare = json.loads((tmp_path / "compare.json").read_text())
+    assert compare["equal"] is equal and rc == (0 if equal else 1)
+    assert compare["fresh"]["output_ids"] == expected(served_version) and compare["hf_dir"] == str(hf)
+    with socket.socket() as s:  # the server (its own process group) is gone
+        assert s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_config_dumps_and_override_lists_are_no_verdict(tmp_path):
+    noise = [
+        "(OneStepTaskRunner pid=7)      'check_weight_update_equal': True,",
+        "Error executing job with overrides: ['...p2p.check_weight_update_equal=true']",
+    ]
+    s = run(tmp_path, noise + [console(i) for i in (1, 2, 3, 4)])
+    assert s["first_sync_weight_check"] == {"passed": False, "log_lines": []}

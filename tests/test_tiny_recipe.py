@@ -1,0 +1,177 @@
+"""recipes/tiny_grpo_2gpu.sh (the 2-GPU GRPO run) composes against verl 0.9.1, passes verl's own config checks, and
+its locally written model and data load the way verl's trainer loads them: tokenizer and config through
+transformers (verl's hf_tokenizer), prompts through verl's RLHFDataset, rewards through the custom reward file."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf, open_dict
+from support.compose import ROOT, compose_config, recipe_command
+from test_hydra_recipes import check_p2p_config
+
+from verl_p2p.sandbox.te_free import te_free_overrides
+
+TINY = ROOT / "recipes" / "tiny_grpo_2gpu.sh"
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tiny")
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    subprocess.run(
+        [sys.executable, str(ROOT / "recipes" / "tiny" / "make_tiny.py"), str(out)], env=env, check=True, timeout=300
+    )
+    return out
+
+
+def composed(**env: str):
+    module, args = recipe_command(TINY, **env)
+    cfg = compose_config(module, args)
+    return module, args, cfg
+
+
+def task_config(cfg):
+    """What one_step_off's TaskRunner validates: the task config with its rollout section filled by main()."""
+    cfg = cfg.copy()
+    with open_dict(cfg):
+        del cfg["hydra"]
+    cfg.actor_rollout_ref.rollout.nnodes = cfg.rollout.nnodes
+    cfg.actor_rollout_ref.rollout.n_gpus_per_node = cfg.rollout.n_gpus_per_node
+    OmegaConf.resolve(cfg)
+    return cfg
+
+
+def test_tiny_recipe_is_one_trainer_gpu_and_one_checked_tcp_replica():
+    module, args, cfg = composed(STEPS="5")
+    assert module == "verl.experimental.one_step_off_policy.main_ppo"
+    rollout = check_p2p_config(cfg, module)
+    p2p = rollout.checkpoint_engine.engine_kwargs["p2p"]
+    assert p2p["check_weight_update_equal"] is True and p2p["protocol"] == "tcp"
+    assert rollout.load_format == "auto" and cfg.trainer.resume_mode == "disable"
+    assert rollout.checkpoint_manager_class == "verl_p2p.backend.manager.P2PCheckpointEngineManager"
+    assert (cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, cfg.rollout.nnodes, cfg.rollout.n_gpus_per_node) == (
+        1,
+        1,
+        1,
+        1,
+    )
+    assert (
+        rollout.tensor_model_parallel_size == 1 and cfg.actor_rollout_ref.actor.megatron.tensor_model_parallel_size == 1
+    )
+    sglang = rollout.engine_kwargs["sglang"]
+    assert sglang["attention_backend"] == "triton" and sglang["sampling_backend"] == "pytorch"
+    assert sglang["disable_cuda_graph"] is True and sglang["grammar_backend"] == "none"
+    assert sglang["remote_instance_weight_loader_start_seed_via_transfer_engine"] is True
+    # the export the final comparison reads: step STEPS-1, HF weights only
+    assert cfg.trainer.total_training_steps == 5 and cfg.trainer.save_freq == 4
+    assert list(cfg.actor_rollout_ref.actor.checkpoint.save_contents) == ["model"]
+    assert "console" in cfg.trainer.logger
+    env = OmegaConf.to_container(cfg.ray_kwargs.ray_init.runtime_env.env_vars, resolve=True)
+    assert env["NCCL_NVLS_ENABLE"] == "0" and env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
+    assert env["NVSHMEM_DISABLE_NVLS"] == "1" and env["VERL_USE_EXTERNAL_MODULES"] == "tiny_run_setup"
+    assert env["MOONCAKE_PROTOCOL"] == "tcp"
+    assert cfg.ray_kwargs.ray_init.namespace == "verl_p2p_tiny"
+    assert set(te_free_overrides()) <= set(args)  # the TE-free Megatron's overrides, all of them
+
+
+def test_tiny_recipe_passes_verls_config_validation():
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import omega_conf_to_dataclass, validate_config
+    from verl.workers.config import McoreEngineConfig
+
+    _, _, cfg = composed()
+    cfg = task_config(cfg)
+    validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+    assert need_reference_policy(cfg) and not need_critic(cfg)
+    engine = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor.megatron)
+    assert isinstance(engine, McoreEngineConfig) and engine.use_remove_padding is False
+    assert cfg.actor_rollout_ref.ref.megatron.override_transformer_config.transformer_impl == "local"
+
+
+def test_tiny_model_and_data_load_like_verls_trainer(tiny_dir):
+    from transformers import AutoConfig
+    from verl.trainer.ppo.utils import create_rl_dataset
+    from verl.utils import hf_tokenizer
+    from verl.utils.dataset.rl_dataset import collate_fn
+
+    _, _, cfg = composed(TINY_DIR=str(tiny_dir))
+    cfg = task_config(cfg)
+    model = cfg.actor_rollout_ref.model.path
+    assert Path(model) == tiny_dir / "model"
+    tokenizer = hf_tokenizer(model)
+    config = AutoConfig.from_pretrained(model)
+    assert config.model_type == "qwen3" and config.vocab_size == len(tokenizer) and config.vocab_size % 128 == 0
+    assert tokenizer.eos_token_id == config.eos_token_id and tokenizer.pad_token_id == config.pad_token_id
+    data_cfg = cfg.data.copy()
+    with open_dict(data_cfg):
+        data_cfg.cache_dir = str(tiny_dir / "cache")
+    train = create_rl_dataset(cfg.data.train_files, data_cfg, tokenizer, None)
+    val = create_rl_dataset(cfg.data.val_files, data_cfg, tokenizer, None, is_train=False)
+    assert len(train) == 32 and len(val) == 8
+    assert len(train) // cfg.data.train_batch_size >= cfg.trainer.total_training_steps
+    item = train[0]
+    assert item["data_source"] == "tiny_repeat" and item["reward_model"]["ground_truth"].startswith("w")
+    ids = tokenizer.apply_chat_template(item["raw_prompt"], add_generation_prompt=True, tokenize=True)
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    assert tokenizer.unk_token_id not in ids and len(ids) <= cfg.data.max_prompt_length
+    assert tokenizer.decode(ids[-3:]) == "<|im_start|> assistant \n"
+    batch = collate_fn([train[i] for i in range(cfg.data.train_batch_size)])
+    assert len(batch["raw_prompt"]) == cfg.data.train_batch_size
+
+
+def test_prompt_tokens_are_what_verls_qwen3_agent_loop_builds(tiny_dir):
+    """verl's agent loop builds prompts with its Qwen3 continuous-token builder (one newline token, ChatML turns);
+    the GPU run's greedy probe uses the same token ids for its fixed prompt."""
+    import pandas as pd
+    from verl.utils import hf_tokenizer
+    from verl.utils.tokenizer.continuous_token_wiring import create_continuous_token_builder
+
+    spec = importlib.util.spec_from_file_location("grpo_check", ROOT / "scripts" / "grpo_check.py")
+    grpo_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(grpo_check)
+
+    tokenizer = hf_tokenizer(str(tiny_dir / "model"))
+    builder = create_continuous_token_builder(tokenizer, hf_model_type="qwen3")
+    messages = [dict(m) for m in pd.read_parquet(tiny_dir / "data" / "train.parquet").iloc[0]["prompt"]]
+
+    def template(msgs):
+        ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    assert list(builder.build_initial_tokens(messages)) == template(messages)
+    assert list(builder.build_initial_tokens(grpo_check.PROMPT)) == template(grpo_check.PROMPT) == grpo_check.INPUT_IDS
+
+
+def test_tiny_reward_scores_the_share_of_repeated_words():
+    spec = importlib.util.spec_from_file_location("tiny_reward", ROOT / "recipes" / "tiny" / "reward.py")
+    reward = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reward)
+    assert reward.compute_score("tiny_repeat", "w7 w7 w3 w7", "w7") == 0.75
+    assert reward.compute_score("tiny_repeat", "", "w7") == 0.0
+
+
+def test_run_setup_module_shows_p2p_info_lines_and_enables_te_free():
+    """Every process of the run imports tiny_run_setup through verl; the weight check's verdict (an INFO line of
+    verl_p2p.rollout.checker) must reach the log that scripts/grpo_check.py reads."""
+    code = (
+        "import logging, sys\n"
+        "import verl\n"
+        "from verl_p2p.sandbox import te_free\n"
+        "assert any(isinstance(f, te_free._Hook) for f in sys.meta_path), 'TE-free hook not installed'\n"
+        "log = logging.getLogger('verl_p2p.rollout.checker')\n"
+        "log.info('check_weight_update_equal: compare passed on 1 replica(s)')\n"
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "recipes" / "tiny"), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "VERL_USE_EXTERNAL_MODULES": "tiny_run_setup",
+    }
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "check_weight_update_equal: compare passed on 1 replica(s)" in proc.stderr

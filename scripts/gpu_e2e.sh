@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# On the H200 machine: install the carried wheel set once (scripts/gpu_wheels.sh builds it; the parts are copied to
+# On the H200 machine: unpack the carried stack once (scripts/gpu_wheels.sh builds it; its parts are copied to
 # $STACK by earlier calls), then prove p2p syncs into real SGLang GPU servers: `verl-p2p e2e --rollout sglang`.
 # The JSON report, the run's log and the servers' logs go to $OUT. Extra arguments go to `verl-p2p e2e`.
 set -uo pipefail
 STACK=${STACK:-/tmp/stack}
-SITE=${SITE:-/tmp/site}
+SITE_ROOT=${SITE_ROOT:-/tmp}  # scripts/gpu_wheels.sh's parts unpack to $SITE_ROOT/site
+SITE="$SITE_ROOT/site"
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-if [ ! -f "$SITE/.installed" ]; then
-  (cd "$STACK" && cat part.* | tar xf - && python3 -m pip install -q --no-index --no-deps --no-compile \
-    --target "$SITE" wheels/*.whl) || exit 3
-  touch "$SITE/.installed"
+if [ ! -d "$SITE/verl" ]; then
+  cat "$STACK"/part.* | python3 -c 'import sys, tarfile
+tarfile.open(fileobj=sys.stdin.buffer, mode="r|xz").extractall(sys.argv[1], filter="tar")' "$SITE_ROOT" || exit 3
 fi
 export PYTHONPATH="$SITE:$PWD" CUDA_HOME=/usr/local/cuda MC_LOG_LEVEL=ERROR PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

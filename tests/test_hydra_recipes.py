@@ -1,5 +1,5 @@
 """conf/ and every recipe compose against verl 0.9.1's real trainer configs, and what they compose resolves:
-the backend to P2PCheckpointEngine, the manager class to P2PCheckpointEngineManager, engine_kwargs.p2p through
+the backend (`verl_p2p`) to P2PCheckpointEngine, the manager class to P2PCheckpointEngineManager, its options through
 P2PConfig, the rollout section through verl's own RolloutConfig dataclass, and the guards pass."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def check_p2p_config(cfg, module: str) -> RolloutConfig:
     """The checks every composed p2p config must pass; returns verl's RolloutConfig built from it."""
     rollout = cfg.actor_rollout_ref.rollout
     assert CheckpointEngineRegistry.get(rollout.checkpoint_engine.backend) is P2PCheckpointEngine
-    P2PConfig.from_mapping(rollout.checkpoint_engine.engine_kwargs.p2p)
+    P2PConfig.from_mapping(rollout.checkpoint_engine.engine_kwargs.verl_p2p)
     check_config(cfg, entry_of(cfg, _task(module)))
     assert OmegaConf.to_container(cfg.hydra.callbacks) == {
         "verl_p2p_guard": {"_target_": "verl_p2p.backend.hydra_callback.P2PGuardCallback"}
@@ -39,7 +39,7 @@ def check_p2p_config(cfg, module: str) -> RolloutConfig:
     del task["hydra"]  # what the task function gets
     resolved = OmegaConf.to_container(OmegaConf.create(task), resolve=True)  # every interpolation resolves
     assert resolved["ray_kwargs"]["ray_init"]["runtime_env"]["env_vars"]["MOONCAKE_PROTOCOL"] == (
-        rollout.checkpoint_engine.engine_kwargs.p2p.protocol
+        rollout.checkpoint_engine.engine_kwargs.verl_p2p.protocol
     )
     ce = omega_conf_to_dataclass(rollout.checkpoint_engine)
     assert isinstance(ce, CheckpointEngineConfig) and ce.custom_backend_module == "verl_p2p"
@@ -59,10 +59,11 @@ def _task(module: str):
 def test_conf_sets_every_p2p_option_with_its_default_and_the_server_args():
     overlay = yaml.safe_load((CONF / "p2p" / "default.yaml").read_text())
     rollout = overlay["actor_rollout_ref"]["rollout"]
-    p2p = rollout["checkpoint_engine"]["engine_kwargs"]["p2p"]
+    p2p = rollout["checkpoint_engine"]["engine_kwargs"]["verl_p2p"]
     assert list(p2p) == P2PConfig.valid_keys()
     defaults = {f.name: f.default for f in dataclasses.fields(P2PConfig) if f.name != "extra"}
-    assert P2PConfig.from_mapping(p2p) == P2PConfig(**{**defaults, "check_weight_update_skip_list": ()})
+    lists = {"check_weight_update_skip_list": (), "unused_hf_tensors_allowed": ()}
+    assert P2PConfig.from_mapping(p2p) == P2PConfig(**{**defaults, **lists})
     assert rollout["engine_kwargs"]["sglang"] == p2p_server_args()
     assert rollout["checkpoint_manager_class"] == "verl_p2p.backend.manager.P2PCheckpointEngineManager"
 
@@ -103,7 +104,7 @@ def test_recipe_composes_and_resolves(script: Path):
     assert cfg.algorithm.adv_estimator == "grpo"
     assert cfg.actor_rollout_ref.actor.strategy == "megatron"
     assert rollout_config.name == "sglang"
-    assert rollout_config.checkpoint_engine.engine_kwargs["p2p"]["check_weight_update_equal"] is False
+    assert rollout_config.checkpoint_engine.engine_kwargs["verl_p2p"]["check_weight_update_equal"] is False
     assert "Qwen3" in cfg.actor_rollout_ref.model.path
     if module == "verl.trainer.main_ppo":
         assert cfg.trainer.v1.trainer_mode == "separate_async"
@@ -125,7 +126,7 @@ def test_recipe_toggles(script: Path):
     module, args = recipe_command(script, CHECK_WEIGHTS="1", P2P_MANAGER="engine", P2P_PROTOCOL="tcp")
     cfg = compose_config(module, args)
     rollout_config = check_p2p_config(cfg, module)
-    p2p = rollout_config.checkpoint_engine.engine_kwargs["p2p"]
+    p2p = rollout_config.checkpoint_engine.engine_kwargs["verl_p2p"]
     assert p2p["check_weight_update_equal"] is True and p2p["protocol"] == "tcp"
     assert rollout_config.load_format == "auto" and cfg.trainer.resume_mode == "disable"
     assert rollout_config.checkpoint_manager_class is None  # verl's stock manager

@@ -143,7 +143,7 @@ def test_broken_dependency_raises_the_real_cause_where_p2p_is_used(programs):
         assert failure is not None, f"{where}: using backend=p2p did not raise"
         assert "simulated: libp2pdep.so" in failure["message"]
         assert failure["cause"] == "ImportError: simulated: libp2pdep.so: cannot open shared object file"
-        assert "checkpoint_engine.backend='p2p' is unavailable" in failure["message"]
+        assert "checkpoint_engine.backend='verl_p2p' (or 'p2p') is unavailable" in failure["message"]
 
 
 def test_this_process_registered_the_real_engine():

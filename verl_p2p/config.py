@@ -1,7 +1,8 @@
-"""P2PConfig: every `checkpoint_engine.engine_kwargs.p2p.*` option, its default, and its validation.
+"""P2PConfig: every `checkpoint_engine.engine_kwargs.verl_p2p.*` option, its default, and its validation.
 
 verl rejects unknown keys directly under `checkpoint_engine`, so the backend's options live under
-`engine_kwargs.p2p`. A wrong key or value raises one P2PConfigError that lists the valid keys.
+`engine_kwargs.<backend>` (verl passes the entry named like the backend: `verl_p2p`, or `p2p` with
+`backend=p2p`). A wrong key or value raises one P2PConfigError that lists the valid keys.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ _CHOICES = {
     "pause_mode": ("abort", "retract"),
     "export_mode": ("auto", "pp_local", "filter_full"),
 }
+OPTIONS = "checkpoint_engine.engine_kwargs.verl_p2p (engine_kwargs.p2p with backend=p2p)"
+# options holding a list of tensor names (or fnmatch patterns); a comma-separated string is accepted too
+_NAME_LISTS = ("check_weight_update_skip_list", "unused_hf_tensors_allowed")
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,7 @@ class P2PConfig:
     check_weight_update_skip_list: tuple[str, ...] = ()
     export_mode: str = "auto"
     release_buffers_on_save: bool = True
+    unused_hf_tensors_allowed: tuple[str, ...] = ()  # fnmatch patterns of streamed HF names no rollout param takes
     extra: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -48,18 +53,19 @@ class P2PConfig:
 
     @classmethod
     def from_mapping(cls, options: Mapping[str, Any] | None) -> P2PConfig:
-        """Build from `engine_kwargs.p2p` (a dict or an OmegaConf node); raise on any unknown key or bad value."""
+        """Build from the backend's options (a dict or an OmegaConf node); raise on any unknown key or bad value."""
         options = dict(_plain(options) or {})
         unknown = sorted(set(options) - set(cls.valid_keys()))
         if unknown:
             raise P2PConfigError(
-                f"unknown checkpoint_engine.engine_kwargs.p2p key(s) {unknown}; valid keys: {cls.valid_keys()}"
+                f"unknown {OPTIONS} key(s) {unknown}; valid keys: {cls.valid_keys()}"
             )
-        if "check_weight_update_skip_list" in options:
-            skip = options["check_weight_update_skip_list"] or ()
-            if isinstance(skip, str):
-                skip = [s for s in skip.split(",") if s]
-            options["check_weight_update_skip_list"] = tuple(skip)
+        for key in _NAME_LISTS:
+            if key in options:
+                names = options[key] or ()
+                if isinstance(names, str):
+                    names = [s for s in names.split(",") if s]
+                options[key] = tuple(names) if isinstance(names, (list, tuple)) else names
         try:
             config = cls(**options)
         except TypeError as exc:  # pragma: no cover - guarded by the unknown-key check
@@ -83,11 +89,13 @@ class P2PConfig:
         for key in ("check_weight_update_equal", "check_weight_update_allow_quant_error", "release_buffers_on_save"):
             if not isinstance(getattr(self, key), bool):
                 errors.append(f"{key}={getattr(self, key)!r} (true or false)")
-        if not all(isinstance(s, str) for s in self.check_weight_update_skip_list):
-            errors.append("check_weight_update_skip_list (a list of tensor names)")
+        for key in _NAME_LISTS:
+            value = getattr(self, key)
+            if not isinstance(value, tuple) or not all(isinstance(s, str) and s for s in value):
+                errors.append(f"{key}={value!r} (a list of tensor names or patterns)")
         if errors:
             raise P2PConfigError(
-                "invalid checkpoint_engine.engine_kwargs.p2p value(s): "
+                f"invalid {OPTIONS} value(s): "
                 + "; ".join(errors)
                 + f"; valid keys: {self.valid_keys()}"
             )

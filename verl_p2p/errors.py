@@ -23,3 +23,7 @@ class TransferError(P2PError):
 
 class RolloutHTTPError(P2PError):
     """A rollout server answered an error, or did not answer in time."""
+
+
+class MalformedAnswerError(P2PError, ValueError):
+    """A rollout server's answer (server info, rank info) lacks the documented shape or holds impossible values."""

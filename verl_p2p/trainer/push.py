@@ -5,10 +5,16 @@ Targets whose replicas have equal keys hold byte-identical shards, so those byte
 written to each. A parameter is loaded only once all its HF inputs arrived (never half-updated); one
 larger than a slot is loaded and written chunk by chunk. At the end every parameter of every target was
 written exactly once, or the push raises naming what is missing or which targets failed.
+
+What can be checked before the first write is (`check_push`): published names, sizes and ranges, and an
+FP8 export into a plan without FP8 inputs. What shows only while streaming is checked for each HF tensor
+before anything is loaded from it (`refusal`): a name no rollout parameter takes (not among the checkpoint
+tensors the plans were built from) unless allowed, or a dtype/shape other than the plan's.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import time
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
@@ -25,6 +31,23 @@ from verl_p2p.transfer.writer import TargetFailure, WriteEntry, Writer, push_err
 
 class IncompletePushError(P2PError):
     """The HF stream ended before every parameter of every target could be written."""
+
+
+class StreamRefusedError(P2PError):
+    """A streamed HF tensor the rollout cannot take as it is: a name no rollout parameter takes (and not
+    allowed), or a dtype/shape other than the one the write plans were built for. Raised before anything is
+    loaded from it; the message names the targets whose bytes are unknown (written before it), if any."""
+
+
+# A change between these is a cast SGLang's own loader makes too (copy_ into the parameter's dtype); any other
+# (FP8, integers, bool) carries scales or another meaning the plan's loader path did not see.
+PLAIN_FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+FP8 = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
+
+
+def dtype_compatible(streamed: torch.dtype, planned: torch.dtype) -> bool:
+    """Can a tensor of `streamed` dtype go where the plan expects `planned` (same dtype, or a plain float cast)?"""
+    return streamed == planned or (streamed in PLAIN_FLOATS and planned in PLAIN_FLOATS)
 
 
 class ParamPlanLike(Protocol):
@@ -248,8 +271,11 @@ class _Pusher:
                 self.metrics.bytes_per_target[target] = self.metrics.bytes_per_target.get(target, 0) + n
         self.entries, self.unsent = [], 0
 
-    def finish(self) -> None:
-        self.flush()
+    def finish(self, flush: bool = True) -> None:
+        """Submit what is loaded (unless `flush` is False: a refused push), then wait for every write."""
+        if flush:
+            self.flush()
+        self.entries, self.unsent = [], 0
         t0 = time.perf_counter()
         self._record(self.buffers.drain())
         self.metrics.seconds_write_wait += time.perf_counter() - t0
@@ -282,24 +308,18 @@ def group_targets(targets: Sequence[PushTarget], share: StageShare | None = None
     return [_Group(ts[0].replica, ts, share) for ts in by_key.values()]
 
 
-def push(
-    hf_stream: Iterable[tuple[str, torch.Tensor]],
+def check_push(
     targets: Sequence[PushTarget],
-    buffers: TransferBuffers,
     writer: Writer,
-    flush_bytes: int | None = None,
-    load_threads: int | None = 1,
     share: StageShare | None = None,
-) -> PushMetrics:
-    """Write this source's bytes to every target; raises RemoteMismatchError before any write when a target's
-    published weights differ, IncompletePushError when the stream lacked inputs, TransferError when a
-    target's write failed or timed out (writes to the other targets still complete). Loaded bytes are
-    submitted in pieces of `flush_bytes` (default: an eighth of a slot). `load_threads` caps torch's
-    intra-op threads during the replica's loads on CPU: its copies are memory-bound, and OpenMP's barriers
-    stall badly when the transport's threads hold the cores (measured: 0.1 vs 7 GB/s on a busy 2-core host);
-    None leaves torch's setting alone. GPU copies are unaffected. `share` restricts the push to this PP stage's
-    part of every target (None: the source holds the whole model)."""
-    t_start = time.perf_counter()
+    *,
+    streams_fp8: bool = False,
+) -> list[_Group]:
+    """Everything checkable before the first write; raises (nothing written) or returns the push's groups.
+
+    RemoteMismatchError when a target's published weights differ from what would be written (names, sizes,
+    overlapping ranges: `Writer.validate`); StreamRefusedError when the export streams FP8 weights
+    (`streams_fp8`) while no target's plan takes an FP8 input (they would be written without their scales)."""
     for t in targets:
         known = writer.targets.get(t.target)
         if known is None or known.session_id != t.remote.session_id:
@@ -308,12 +328,96 @@ def push(
             )
     groups = group_targets(targets, share)
     writer.validate(expected_params(groups))
+    if streams_fp8:
+        for g in groups:
+            specs = _planned_specs([g])
+            if specs and not any(specs[n][1] in FP8 for p in g.params.values() for n in p.feeds if n in specs):
+                raise StreamRefusedError(
+                    f"the trainer exports FP8 weights (Megatron-Bridge export_weight_dtype='fp8'), but the write plan "
+                    f"of {g.describe()} takes no FP8 tensor (the rollout loaded a checkpoint without FP8 weights): "
+                    "they would be written without their scales; nothing was written. Fix: export in the "
+                    "checkpoint's dtype (drop export_weight_dtype='fp8'), or serve an FP8 checkpoint the rollout "
+                    "loads as FP8"
+                )
+    return groups
+
+
+def _planned_specs(groups: Sequence[_Group]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """HF name -> (shape, dtype) the groups' write plans were built from (the checkpoint's tensors)."""
+    specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    for g in groups:
+        specs.update(getattr(g.replica.plan, "hf_specs", None) or {})
+    return specs
+
+
+def refusal(
+    planned: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+    name: str,
+    tensor: torch.Tensor,
+    allowed_unused: Sequence[str] = (),
+) -> str | None:
+    """Why streamed tensor `name` must not be loaded, or None. A name outside `planned` (the checkpoint the
+    rollout loaded) reaches no rollout parameter: refused unless it matches an `allowed_unused` pattern."""
+    spec = planned.get(name)
+    if spec is None:
+        if any(fnmatch.fnmatchcase(name, pattern) for pattern in allowed_unused):
+            return None
+        return (
+            f"HF tensor {name!r} ({tensor.dtype}, shape {tuple(tensor.shape)}) is not among the {len(planned)} "
+            "checkpoint tensors the rollout loaded, so no rollout parameter takes it and its update would be lost. "
+            "Fix: make the trainer's export use the checkpoint's tensor names (Megatron-Bridge mapping, "
+            "export_mode), or, if the rollout has no use for it, allow it with a matching pattern in "
+            "engine_kwargs.<backend>.unused_hf_tensors_allowed"
+        )
+    shape, dtype = spec
+    if tuple(tensor.shape) != tuple(shape):
+        return (
+            f"HF tensor {name!r} arrives with shape {tuple(tensor.shape)}, the write plans were built for the "
+            f"checkpoint's {tuple(shape)}: the trainer and the rollout disagree on the model config"
+        )
+    if not dtype_compatible(tensor.dtype, dtype):
+        what = "FP8 values without their scales" if tensor.dtype in FP8 else f"{tensor.dtype} values"
+        return (
+            f"HF tensor {name!r} arrives as {tensor.dtype}, the write plans were built for the checkpoint's {dtype}: "
+            f"loading it would write {what} into parameters planned for {dtype}. Fix: export in the checkpoint's "
+            "dtype (the trainer's params dtype / Megatron-Bridge export_weight_dtype), or serve the rollout from a "
+            f"checkpoint in the dtype the trainer exports"
+        )
+    return None
+
+
+def push(
+    hf_stream: Iterable[tuple[str, torch.Tensor]],
+    targets: Sequence[PushTarget],
+    buffers: TransferBuffers,
+    writer: Writer,
+    flush_bytes: int | None = None,
+    load_threads: int | None = 1,
+    share: StageShare | None = None,
+    checked: Sequence[_Group] | None = None,
+    allowed_unused: Sequence[str] = (),
+) -> PushMetrics:
+    """Write this source's bytes to every target; raises RemoteMismatchError before any write when a target's
+    published weights differ, StreamRefusedError before loading a streamed tensor the rollout cannot take,
+    IncompletePushError when the stream lacked inputs, TransferError when a
+    target's write failed or timed out (writes to the other targets still complete). Loaded bytes are
+    submitted in pieces of `flush_bytes` (default: an eighth of a slot). `load_threads` caps torch's
+    intra-op threads during the replica's loads on CPU: its copies are memory-bound, and OpenMP's barriers
+    stall badly when the transport's threads hold the cores (measured: 0.1 vs 7 GB/s on a busy 2-core host);
+    None leaves torch's setting alone. GPU copies are unaffected. `share` restricts the push to this PP stage's
+    part of every target (None: the source holds the whole model). `checked`: the groups `check_push` returned
+    (it runs here when None). `allowed_unused`: fnmatch patterns of HF names no rollout parameter takes that
+    may be streamed (dropped)."""
+    t_start = time.perf_counter()
+    groups = list(checked) if checked is not None else check_push(targets, writer, share)
+    planned = _planned_specs(groups)
     metrics = PushMetrics(bytes_per_target={t.target: 0 for t in targets})
     writer.reset_failures()
     buffers.begin()
     metrics.slot_bytes = buffers.slot_bytes_total
     pusher = _Pusher(buffers, writer, metrics, flush_bytes or max(ALIGN, buffers.slot_bytes // 8), load_threads)
     stream = iter(hf_stream)
+    refused: str | None = None
     try:
         for group in groups:
             for param in group.without_feeds():
@@ -326,6 +430,12 @@ def push(
             if item is None:
                 break
             hf_name, tensor = item
+            if planned:
+                refused = refusal(planned, hf_name, tensor, allowed_unused)
+                if refused is not None:
+                    break
+                if hf_name not in planned:  # allowed and taken by nobody: dropped
+                    continue
             pusher.track(tensor)
             ready = [(g, p) for g in groups for p in g.stager.offer(hf_name, tensor) if p in g.params]
             metrics.seconds_stage += time.perf_counter() - t1
@@ -333,8 +443,19 @@ def push(
             for group, param in ready:
                 pusher.add(group, param)
     finally:
-        pusher.finish()
+        pusher.finish(flush=refused is None)
         metrics.seconds_total = time.perf_counter() - t_start
+    if refused is not None:
+        unknown = [t for t in sorted(metrics.bytes_per_target) if metrics.bytes_per_target[t] > 0]
+        if unknown:
+            shown = ", ".join(map(str, unknown[:16])) + (" ..." if len(unknown) > 16 else "")
+            where = (
+                f"; it was refused before anything was loaded from it, but earlier tensors were already written, "
+                f"so the bytes of these targets are now unknown (the next sync must rewrite them): {shown}"
+            )
+        else:
+            where = "; it was refused before anything was loaded from it and nothing was written"
+        raise StreamRefusedError(refused + where)
     if pusher.failures:
         raise push_error(pusher.failures[t] for t in sorted(pusher.failures))
     _check_complete(groups)

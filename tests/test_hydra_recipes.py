@@ -29,9 +29,10 @@ RECIPES = [r for r in RECIPES if r.name != "common.sh"]
 def check_p2p_config(cfg, module: str) -> RolloutConfig:
     """The checks every composed p2p config must pass; returns verl's RolloutConfig built from it."""
     rollout = cfg.actor_rollout_ref.rollout
+    assert rollout.checkpoint_engine.backend == "verl_p2p"  # the unambiguous name (verl may ship its own `p2p`)
     assert CheckpointEngineRegistry.get(rollout.checkpoint_engine.backend) is P2PCheckpointEngine
     P2PConfig.from_mapping(rollout.checkpoint_engine.engine_kwargs.verl_p2p)
-    check_config(cfg, entry_of(cfg, _task(module)))
+    check_config(cfg, entry_of(cfg, _task(module)), guard=True)
     assert OmegaConf.to_container(cfg.hydra.callbacks) == {
         "verl_p2p_guard": {"_target_": "verl_p2p.backend.hydra_callback.P2PGuardCallback"}
     }

@@ -35,7 +35,7 @@ def test_dp_without_dp_attention_is_refused_naming_the_collision_and_the_fix(arg
     with pytest.raises(UnsupportedLayoutError) as info:
         layout_from_server_args(args, 1)
     text = str(info.value)
-    assert f"dp_size={args['dp_size']} without DP attention" in text and "same tp_rank" in text
+    assert f"dp_size={args['dp_size']} " in text and "runs 2 copies of the model" in text and "same tp_rank" in text
     assert "enable_dp_attention=true" in text and "data_parallel_size=1" in text
 
 

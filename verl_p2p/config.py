@@ -57,9 +57,7 @@ class P2PConfig:
         options = dict(_plain(options) or {})
         unknown = sorted(set(options) - set(cls.valid_keys()))
         if unknown:
-            raise P2PConfigError(
-                f"unknown {OPTIONS} key(s) {unknown}; valid keys: {cls.valid_keys()}"
-            )
+            raise P2PConfigError(f"unknown {OPTIONS} key(s) {unknown}; valid keys: {cls.valid_keys()}")
         for key in _NAME_LISTS:
             if key in options:
                 names = options[key] or ()
@@ -95,9 +93,7 @@ class P2PConfig:
                 errors.append(f"{key}={value!r} (a list of tensor names or patterns)")
         if errors:
             raise P2PConfigError(
-                f"invalid {OPTIONS} value(s): "
-                + "; ".join(errors)
-                + f"; valid keys: {self.valid_keys()}"
+                f"invalid {OPTIONS} value(s): " + "; ".join(errors) + f"; valid keys: {self.valid_keys()}"
             )
 
     @property

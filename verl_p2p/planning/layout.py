@@ -134,10 +134,11 @@ def dp_problem(dp_size: int, enable_dp_attention: bool, attn_dp_size: int | None
     copies = model_copies(dp_size, enable_dp_attention, attn_dp_size)
     if copies <= 1:
         return None
+    how = f"on top of attention DP (attn_dp_size={attn_dp_size})" if enable_dp_attention else "without DP attention"
     return (
-        f"dp_size={dp_size} without DP attention runs {copies} copies of the model in one engine, whose ranks "
-        "register their weight memory with the bootstrap server under the same tp_rank and overwrite each "
-        f"other (p2p would update one copy and leave the others stale). Fix: {DP_FIX}"
+        f"dp_size={dp_size} {how} runs {copies} copies of the model in one engine, whose ranks register their "
+        "weight memory with the bootstrap server under the same tp_rank and overwrite each other (p2p would "
+        f"update one copy and leave the others stale). Fix: {DP_FIX}"
     )
 
 

@@ -22,8 +22,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from verl_p2p.config import config_field
-from verl_p2p.errors import P2PConfigError
-from verl_p2p.planning.layout import check_server_info, dp_problem
+from verl_p2p.errors import P2PConfigError, UnsupportedLayoutError
+from verl_p2p.planning.layout import check_reproducible, check_server_info, dp_problem
 
 logger = logging.getLogger(__name__)
 
@@ -129,9 +129,14 @@ def hybrid_server_args(sglang: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def check_live_server_args(server_info: Mapping[str, Any], engine: int | None = None, url: str | None = None) -> None:
-    """Check a running server's effective args (`/server_info`): SGLang may have turned the seed off itself."""
+    """Check a running server's effective args (`/server_info`): a well-formed answer, a layout p2p can write
+    (MalformedAnswerError / UnsupportedLayoutError), and the seed on (SGLang may have turned it off itself)."""
     where = f"rollout engine {engine} ({url})" if engine is not None else f"rollout server {url}"
     check_server_info(server_info, where)
+    try:
+        check_reproducible(server_info)  # a layout the replica cannot write (pp, dp copies, EPLB, ...): refuse now
+    except UnsupportedLayoutError as exc:
+        raise UnsupportedLayoutError(f"{where}: {exc}") from exc
     if SEED_FLAG not in server_info:
         raise P2PConfigError(
             f"{where} (SGLang {server_info.get('version', '?')}) reports no {SEED_FLAG}: p2p needs SGLang >= 0.5.12"

@@ -88,14 +88,15 @@ class SourceSession:
         self.apply_error = None
         targets = []
         try:
+            for target in assignment.targets:  # refusals first: nothing is allocated for a plan that cannot run
+                if target.engine in assignment.sessionless_engines:
+                    self._refuse_without_sessions(
+                        target, assignment.server_infos[target.engine], assignment.layouts[target]
+                    )
             if assignment.targets:
                 self._open_transport()
             for target in assignment.targets:
-                server_info = assignment.server_infos[target.engine]
-                layout = assignment.layouts[target]
-                if target.engine in assignment.sessionless_engines:
-                    self._refuse_without_sessions(target, server_info, layout)
-                replica = self._replica(server_info, layout)
+                replica = self._replica(assignment.server_infos[target.engine], assignment.layouts[target])
                 targets.append(PushTarget(target, replica, assignment.rank_infos[target]))
         except Exception as exc:  # reported at push, by the go/no-go (see the docstring)
             self.apply_error, targets = exc, []

@@ -487,3 +487,32 @@ def test_leader_reports_sessions_after_begin(monkeypatch):
         engine.receive_weights(global_steps=1)
         engine.finalize()
         assert engine.prepare()["engine"] == EngineMeta(0, meta.digest, sessions=False)  # acked: slim, with the fact
+
+
+# ---- the sync's error names each cause once -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mine", [True, False])
+def test_send_weights_reports_a_go_no_go_abort_by_its_cause(monkeypatch, mine):
+    import asyncio
+
+    from test_engine_roles import SourceSessionStandIn, assignment
+    from verl.checkpoint_engine import CheckpointEngineRegistry
+
+    from verl_p2p.errors import P2PError
+    from verl_p2p.trainer.senders import ExportAbortedError
+
+    monkeypatch.setattr("verl_p2p.trainer.source.SourceSession", SourceSessionStandIn)
+    trainer = CheckpointEngineRegistry.new("verl_p2p", is_master=True, bucket_size=1 << 20)
+    trainer.init_process_group(assignment=assignment(1, [TARGET]))
+    failures = {0 if mine else 1: "RemoteMismatchError: param 'w': numel 8 vs 9"}
+    monkeypatch.setattr(SourceSessionStandIn, "fail_with", ExportAbortedError((0, 1), failures))
+    with pytest.raises(P2PError) as failed:
+        asyncio.run(trainer.send_weights(None, global_steps=4))
+    text = str(failed.value)
+    if mine:
+        assert "trainer rank 0: RemoteMismatchError: param 'w': numel 8 vs 9" in text
+    else:
+        assert (
+            "trainer rank 0: did not export: its export group's go/no-go stopped it (trainer rank(s) 1 refused)" in text
+        )

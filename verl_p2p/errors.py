@@ -6,7 +6,7 @@ class P2PError(RuntimeError):
 
 
 class P2PConfigError(P2PError, ValueError):
-    """A bad `engine_kwargs.p2p` key or value, or a rollout server setting p2p cannot work with."""
+    """A bad `engine_kwargs.verl_p2p` key or value, or a rollout server setting p2p cannot work with."""
 
 
 class UnsupportedLayoutError(P2PError):

@@ -171,7 +171,7 @@ class P2PCheckpointEngine(CheckpointEngine):
         except Exception as exc:  # every rank must reach the gather below, or the others wait forever
             error = exc
         outcomes = self._gather(
-            (self.trainer.rank, mine, None if error is None else f"{type(error).__name__}: {error}")
+            (self.trainer.rank, mine, None if error is None else _outcome(error, self.trainer.rank))
         )
         failed = [(rank, text) for rank, _, text in outcomes if text]
         if failed:
@@ -287,6 +287,19 @@ class P2PCheckpointEngine(CheckpointEngine):
 
 
 register_engine(P2PCheckpointEngine)
+
+
+def _outcome(error: BaseException, rank: int) -> str:
+    """What a rank reports of its failed push: its own cause, or (aborted by its export group's go/no-go for a
+    peer's refusal) which peers refused; so the sync's error names each cause once."""
+    from verl_p2p.trainer.senders import ExportAbortedError
+
+    if isinstance(error, ExportAbortedError):
+        if rank in error.failures:
+            return error.failures[rank]
+        refused = ", ".join(map(str, sorted(error.failures)))
+        return f"did not export: its export group's go/no-go stopped it (trainer rank(s) {refused} refused)"
+    return f"{type(error).__name__}: {error}"
 
 
 # ---- driver ----------------------------------------------------------------------------------------------------

@@ -58,7 +58,7 @@ def trainer_mode_problems(config: Mapping[str, Any], entry: str) -> list[str]:
             "checkpoint_engine.backend says (verl's v1 trainer_base overrides it), so p2p would be silently "
             "ignored. Fix: trainer.v1.trainer_mode=separate_async with standalone rollout "
             "(actor_rollout_ref.rollout.nnodes/n_gpus_per_node), or run verl.experimental.one_step_off_policy / "
-            "fully_async_policy, or drop checkpoint_engine.backend=p2p"
+            "fully_async_policy, or drop checkpoint_engine.backend=verl_p2p"
         ]
     return []
 
@@ -123,7 +123,7 @@ def warn_hybrid_actor(owner: Any) -> None:
         return
     _warned.add("hybrid")
     logger.warning(
-        "checkpoint_engine.backend=p2p with actor_rollout_ref.hybrid_engine=true: rollout replicas colocated on the "
-        "trainer GPUs are synced by verl's naive path; p2p syncs only standalone replicas (v1 separate_async, "
+        "checkpoint_engine.backend=verl_p2p with actor_rollout_ref.hybrid_engine=true: rollout replicas colocated on "
+        "the trainer GPUs are synced by verl's naive path; p2p syncs only standalone replicas (v1 separate_async, "
         "one_step_off, fully_async). In v1 sync/colocate_async trainers p2p is never used."
     )

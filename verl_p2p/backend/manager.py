@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 
 class P2PCheckpointEngineManager(CheckpointEngineManager):
-    """CheckpointEngineManager for `checkpoint_engine.backend=p2p`; see the module docstring.
+    """CheckpointEngineManager for `checkpoint_engine.backend=verl_p2p` (or `p2p`); see the module docstring.
 
     Args:
         config: verl's CheckpointEngineConfig (backend must be `p2p`).

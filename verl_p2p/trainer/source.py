@@ -48,7 +48,7 @@ class SourceSession:
         if owner is None:  # the engine was not built inside a verl worker method: find the worker holding it
             owner = find_owning_worker(checkpoint_engine)
         if config.transport != "mooncake":
-            raise P2PError(f"engine_kwargs.p2p.transport={config.transport!r} is not wired yet; use 'mooncake'")
+            raise P2PError(f"engine_kwargs.verl_p2p.transport={config.transport!r} is not wired yet; use 'mooncake'")
         self.config = config
         self.hostname = hostname
         self.engine = find_megatron_engine(owner)

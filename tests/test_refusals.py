@@ -283,6 +283,7 @@ def push_into(wire, stream, **kwargs):
         buffers.release()
 
 
+@pytest.mark.slow  # a receiver process
 def test_fp8_tensor_into_a_float32_plan_is_refused_before_any_write(wire, qwen3, tmp_path):
     from verl_p2p.trainer.push import StreamRefusedError
 
@@ -297,6 +298,7 @@ def test_fp8_tensor_into_a_float32_plan_is_refused_before_any_write(wire, qwen3,
     assert all_fill(wire[1], tmp_path / "fp8.pt")
 
 
+@pytest.mark.slow  # a receiver process
 def test_a_bad_tensor_mid_stream_names_the_targets_whose_bytes_are_now_unknown(wire, qwen3, tmp_path):
     from verl_p2p.trainer.push import StreamRefusedError
 
@@ -310,6 +312,7 @@ def test_a_bad_tensor_mid_stream_names_the_targets_whose_bytes_are_now_unknown(w
     assert not all_fill(wire[1], tmp_path / "mid.pt")  # what came before it was written
 
 
+@pytest.mark.slow  # a receiver process
 def test_a_tensor_of_another_shape_is_refused_before_any_write(wire, qwen3, tmp_path):
     from verl_p2p.trainer.push import StreamRefusedError
 
@@ -322,6 +325,7 @@ def test_a_tensor_of_another_shape_is_refused_before_any_write(wire, qwen3, tmp_
     assert all_fill(wire[1], tmp_path / "shape.pt")
 
 
+@pytest.mark.slow  # a receiver process
 def test_a_name_no_rollout_parameter_takes_is_refused_unless_allowed(wire, qwen3, tmp_path):
     from verl_p2p.trainer.push import StreamRefusedError
 
@@ -345,11 +349,13 @@ def test_a_name_no_rollout_parameter_takes_is_refused_unless_allowed(wire, qwen3
         assert torch.equal(got[name], want), name
 
 
+@pytest.mark.slow  # a receiver process
 def test_plain_float_casts_are_what_sglang_does_and_are_accepted(wire, qwen3):
     hf = [(n, t.to(torch.bfloat16)) for n, t in qwen3[2].items()]
     assert push_into(wire, hf).total_bytes == wire[0].plan.nbytes
 
 
+@pytest.mark.slow  # a receiver process
 def test_an_fp8_export_into_a_plan_without_fp8_inputs_is_refused_before_streaming(wire, tmp_path):
     from verl_p2p.trainer.push import PushTarget, StreamRefusedError, check_push
     from verl_p2p.transfer.writer import Writer

@@ -20,8 +20,10 @@ from verl_p2p.backend.engine import P2PCheckpointEngine
 from verl_p2p.backend.guards import check_config, entry_of
 from verl_p2p.backend.manager import P2PCheckpointEngineManager
 from verl_p2p.config import P2PConfig
+from verl_p2p.errors import P2PConfigError
 from verl_p2p.rollout.launch import p2p_server_args
 
+KWARGS = "actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs"
 RECIPES = sorted((ROOT / "recipes").glob("*.sh"))
 RECIPES = [r for r in RECIPES if r.name != "common.sh"]
 
@@ -61,6 +63,7 @@ def test_conf_sets_every_p2p_option_with_its_default_and_the_server_args():
     overlay = yaml.safe_load((CONF / "p2p" / "default.yaml").read_text())
     rollout = overlay["actor_rollout_ref"]["rollout"]
     p2p = rollout["checkpoint_engine"]["engine_kwargs"]["verl_p2p"]
+    assert rollout["checkpoint_engine"]["engine_kwargs"]["p2p"] == "${.verl_p2p}"  # the same, for backend=p2p
     assert list(p2p) == P2PConfig.valid_keys()
     defaults = {f.name: f.default for f in dataclasses.fields(P2PConfig) if f.name != "extra"}
     lists = {"check_weight_update_skip_list": (), "unused_hf_tensors_allowed": ()}
@@ -131,3 +134,23 @@ def test_recipe_toggles(script: Path):
     assert p2p["check_weight_update_equal"] is True and p2p["protocol"] == "tcp"
     assert rollout_config.load_format == "auto" and cfg.trainer.resume_mode == "disable"
     assert rollout_config.checkpoint_manager_class is None  # verl's stock manager
+
+
+def test_overlay_with_backend_p2p_hands_the_engine_the_same_options():
+    """Users write backend=p2p: with the overlay, verl then passes engine_kwargs.p2p, which mirrors verl_p2p."""
+    args = [f"--config-path={CONF}", "--config-name=ppo_megatron_trainer_p2p"]
+    cfg = compose_config(
+        "verl.trainer.main_ppo",
+        [*args, "actor_rollout_ref.rollout.checkpoint_engine.backend=p2p", f"{KWARGS}.verl_p2p.protocol=tcp"],
+    )
+    check_config(cfg, "main_ppo", guard=True)
+    ce = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout.checkpoint_engine)
+    assert CheckpointEngineRegistry.get(ce.backend) is P2PCheckpointEngine
+    assert ce.engine_kwargs["p2p"] == ce.engine_kwargs["verl_p2p"] and ce.engine_kwargs["p2p"]["protocol"] == "tcp"
+
+
+def test_options_left_under_the_other_name_are_refused_not_ignored():
+    args = [f"--config-path={CONF}", "--config-name=ppo_megatron_trainer_p2p"]
+    cfg = compose_config("verl.trainer.main_ppo", [*args, f"{KWARGS}.p2p={{protocol: tcp}}"])
+    with pytest.raises(P2PConfigError, match="engine_kwargs.p2p is set, but with backend=verl_p2p .* would be ignored"):
+        check_config(cfg, "main_ppo", guard=True)

@@ -331,6 +331,7 @@ def test_a_foreign_p2p_registered_after_ours_is_refused_with_our_config(programs
     out = programs["foreign_after"]
     foreign = "__main__.LaterP2PCheckpointEngine"
     assert out["before"]
+    assert f"verl_p2p: checkpoint_engine.backend=p2p resolves to {foreign}" in out["logs"]  # logged where checked
     assert_names_both(out["manager_p2p"], foreign)
     assert_names_both(out["guard_p2p"][0], foreign)
     assert_names_both(out["launch_p2p"], foreign)

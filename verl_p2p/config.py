@@ -54,7 +54,12 @@ class P2PConfig:
     @classmethod
     def from_mapping(cls, options: Mapping[str, Any] | None) -> P2PConfig:
         """Build from the backend's options (a dict or an OmegaConf node); raise on any unknown key or bad value."""
-        options = dict(_plain(options) or {})
+        options = plain(options)
+        if options is None:
+            options = {}
+        if not isinstance(options, Mapping):
+            raise P2PConfigError(f"{OPTIONS} must be a mapping of options, got {type(options).__name__} {options!r}")
+        options = dict(options)
         unknown = sorted(set(options) - set(cls.valid_keys()))
         if unknown:
             raise P2PConfigError(f"unknown {OPTIONS} key(s) {unknown}; valid keys: {cls.valid_keys()}")
@@ -110,9 +115,9 @@ def config_field(node: Any, key: str) -> Any:
     return getattr(node, key, None)
 
 
-def _plain(options: Any) -> Any:
+def plain(options: Any) -> Any:
     """OmegaConf nodes to plain containers without importing omegaconf when it is not needed."""
-    if options is None or isinstance(options, dict):
+    if options is None or isinstance(options, (dict, str, int, float, bool, list, tuple)):
         return options
     try:
         from omegaconf import DictConfig, OmegaConf

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from verl_p2p.backend.plugin import ALIAS, BACKEND, BACKEND_NAMES, backend_problem, our_config_signs, uses_verl_p2p
-from verl_p2p.config import P2PConfig, config_field
+from verl_p2p.config import P2PConfig, config_field, plain
 from verl_p2p.errors import P2PConfigError
 from verl_p2p.rollout.launch import rollout_dp_problem, server_arg_problems
 
@@ -88,7 +88,8 @@ def config_problems(config: Mapping[str, Any], entry: str | None = None, guard: 
     if config_field(config_field(rollout, "disaggregation") or {}, "enabled"):
         problems.append("rollout.disaggregation.enabled=true: p2p does not sync prefill/decode-disaggregated rollouts")
     engine_kwargs = config_field(checkpoint_engine, "engine_kwargs") or {}
-    if backend == ALIAS and config_field(engine_kwargs, BACKEND) is not None:
+    short, alias = (plain(config_field(engine_kwargs, name)) for name in (BACKEND, ALIAS))
+    if backend == ALIAS and short is not None and short != alias:  # conf/ mirrors verl_p2p's options under p2p
         problems.append(
             f"checkpoint_engine.engine_kwargs.{BACKEND} is set, but with backend={ALIAS} verl hands the engine "
             f"engine_kwargs.{ALIAS} only: those options would be ignored. Fix: move them under "

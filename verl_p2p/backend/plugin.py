@@ -208,8 +208,16 @@ def backend_problem(backend: Any, signs: list[str]) -> str | None:
     )
 
 
+_logged: set[tuple[str, str]] = set()
+
+
 def check_backend(backend: Any, signs: list[str]) -> None:
-    """Raise P2PConfigError with `backend_problem`, if there is one."""
+    """Raise P2PConfigError with `backend_problem`, if there is one; log (once) which class `backend` runs."""
+    if backend in BACKEND_NAMES:
+        held = class_name(resolved_class(backend)) if resolved_class(backend) is not None else "nothing"
+        if (backend, held) not in _logged:
+            _logged.add((backend, held))
+            logger.info("verl_p2p: checkpoint_engine.backend=%s resolves to %s", backend, held)
     problem = backend_problem(backend, signs)
     if problem is not None:
         from verl_p2p.errors import P2PConfigError

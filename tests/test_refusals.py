@@ -285,7 +285,7 @@ def push_into(wire, stream, **kwargs):
 
 @pytest.mark.slow  # a receiver process
 def test_fp8_tensor_into_a_float32_plan_is_refused_before_any_write(wire, qwen3, tmp_path):
-    from verl_p2p.trainer.push import StreamRefusedError
+    from verl_p2p.trainer.stream_checks import StreamRefusedError
 
     hf = list(qwen3[2].items())
     first, tensor = hf[0]
@@ -300,7 +300,7 @@ def test_fp8_tensor_into_a_float32_plan_is_refused_before_any_write(wire, qwen3,
 
 @pytest.mark.slow  # a receiver process
 def test_a_bad_tensor_mid_stream_names_the_targets_whose_bytes_are_now_unknown(wire, qwen3, tmp_path):
-    from verl_p2p.trainer.push import StreamRefusedError
+    from verl_p2p.trainer.stream_checks import StreamRefusedError
 
     hf = list(qwen3[2].items())
     name, tensor = hf[12]
@@ -314,7 +314,7 @@ def test_a_bad_tensor_mid_stream_names_the_targets_whose_bytes_are_now_unknown(w
 
 @pytest.mark.slow  # a receiver process
 def test_a_tensor_of_another_shape_is_refused_before_any_write(wire, qwen3, tmp_path):
-    from verl_p2p.trainer.push import StreamRefusedError
+    from verl_p2p.trainer.stream_checks import StreamRefusedError
 
     hf = list(qwen3[2].items())
     name, tensor = next((n, t) for n, t in hf if t.dim() == 2 and t.shape[0] != t.shape[1])
@@ -327,7 +327,7 @@ def test_a_tensor_of_another_shape_is_refused_before_any_write(wire, qwen3, tmp_
 
 @pytest.mark.slow  # a receiver process
 def test_a_name_no_rollout_parameter_takes_is_refused_unless_allowed(wire, qwen3, tmp_path):
-    from verl_p2p.trainer.push import StreamRefusedError
+    from verl_p2p.trainer.stream_checks import StreamRefusedError
 
     hf = list(qwen3[2].items())
     stray = ("model.layers.0.mlp.down_proj.weight_scale_inv", torch.ones(4, 4))
@@ -357,7 +357,8 @@ def test_plain_float_casts_are_what_sglang_does_and_are_accepted(wire, qwen3):
 
 @pytest.mark.slow  # a receiver process
 def test_an_fp8_export_into_a_plan_without_fp8_inputs_is_refused_before_streaming(wire, tmp_path):
-    from verl_p2p.trainer.push import PushTarget, StreamRefusedError, check_push
+    from verl_p2p.trainer.push import PushTarget, check_push
+    from verl_p2p.trainer.stream_checks import StreamRefusedError
     from verl_p2p.transfer.writer import Writer
 
     replica, handle, transport = wire

@@ -8,13 +8,11 @@ written exactly once, or the push raises naming what is missing or which targets
 
 What can be checked before the first write is (`check_push`): published names, sizes and ranges, and an
 FP8 export into a plan without FP8 inputs. What shows only while streaming is checked for each HF tensor
-before anything is loaded from it (`refusal`): a name no rollout parameter takes (not among the checkpoint
-tensors the plans were built from) unless allowed, or a dtype/shape other than the plan's.
+before anything is loaded from it (`stream_checks.refusal`).
 """
 
 from __future__ import annotations
 
-import fnmatch
 import time
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
@@ -25,29 +23,13 @@ import torch
 
 from verl_p2p.errors import P2PError, UnsupportedLayoutError
 from verl_p2p.planning.targets import RemoteRankInfo, TargetRank
+from verl_p2p.trainer.stream_checks import StreamRefusedError, check_fp8_export, refusal
 from verl_p2p.transfer.buffers import ALIGN, Slot, TransferBuffers
 from verl_p2p.transfer.writer import TargetFailure, WriteEntry, Writer, push_error
 
 
 class IncompletePushError(P2PError):
     """The HF stream ended before every parameter of every target could be written."""
-
-
-class StreamRefusedError(P2PError):
-    """A streamed HF tensor the rollout cannot take as it is: a name no rollout parameter takes (and not
-    allowed), or a dtype/shape other than the one the write plans were built for. Raised before anything is
-    loaded from it; the message names the targets whose bytes are unknown (written before it), if any."""
-
-
-# A change between these is a cast SGLang's own loader makes too (copy_ into the parameter's dtype); any other
-# (FP8, integers, bool) carries scales or another meaning the plan's loader path did not see.
-PLAIN_FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
-FP8 = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
-
-
-def dtype_compatible(streamed: torch.dtype, planned: torch.dtype) -> bool:
-    """Can a tensor of `streamed` dtype go where the plan expects `planned` (same dtype, or a plain float cast)?"""
-    return streamed == planned or (streamed in PLAIN_FLOATS and planned in PLAIN_FLOATS)
 
 
 class ParamPlanLike(Protocol):
@@ -330,15 +312,7 @@ def check_push(
     writer.validate(expected_params(groups))
     if streams_fp8:
         for g in groups:
-            specs = _planned_specs([g])
-            if specs and not any(specs[n][1] in FP8 for p in g.params.values() for n in p.feeds if n in specs):
-                raise StreamRefusedError(
-                    f"the trainer exports FP8 weights (Megatron-Bridge export_weight_dtype='fp8'), but the write plan "
-                    f"of {g.describe()} takes no FP8 tensor (the rollout loaded a checkpoint without FP8 weights): "
-                    "they would be written without their scales; nothing was written. Fix: export in the "
-                    "checkpoint's dtype (drop export_weight_dtype='fp8'), or serve an FP8 checkpoint the rollout "
-                    "loads as FP8"
-                )
+            check_fp8_export(_planned_specs([g]), [n for p in g.params.values() for n in p.feeds], g.describe())
     return groups
 
 
@@ -348,42 +322,6 @@ def _planned_specs(groups: Sequence[_Group]) -> dict[str, tuple[tuple[int, ...],
     for g in groups:
         specs.update(getattr(g.replica.plan, "hf_specs", None) or {})
     return specs
-
-
-def refusal(
-    planned: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
-    name: str,
-    tensor: torch.Tensor,
-    allowed_unused: Sequence[str] = (),
-) -> str | None:
-    """Why streamed tensor `name` must not be loaded, or None. A name outside `planned` (the checkpoint the
-    rollout loaded) reaches no rollout parameter: refused unless it matches an `allowed_unused` pattern."""
-    spec = planned.get(name)
-    if spec is None:
-        if any(fnmatch.fnmatchcase(name, pattern) for pattern in allowed_unused):
-            return None
-        return (
-            f"HF tensor {name!r} ({tensor.dtype}, shape {tuple(tensor.shape)}) is not among the {len(planned)} "
-            "checkpoint tensors the rollout loaded, so no rollout parameter takes it and its update would be lost. "
-            "Fix: make the trainer's export use the checkpoint's tensor names (Megatron-Bridge mapping, "
-            "export_mode), or, if the rollout has no use for it, allow it with a matching pattern in "
-            "engine_kwargs.<backend>.unused_hf_tensors_allowed"
-        )
-    shape, dtype = spec
-    if tuple(tensor.shape) != tuple(shape):
-        return (
-            f"HF tensor {name!r} arrives with shape {tuple(tensor.shape)}, the write plans were built for the "
-            f"checkpoint's {tuple(shape)}: the trainer and the rollout disagree on the model config"
-        )
-    if not dtype_compatible(tensor.dtype, dtype):
-        what = "FP8 values without their scales" if tensor.dtype in FP8 else f"{tensor.dtype} values"
-        return (
-            f"HF tensor {name!r} arrives as {tensor.dtype}, the write plans were built for the checkpoint's {dtype}: "
-            f"loading it would write {what} into parameters planned for {dtype}. Fix: export in the checkpoint's "
-            "dtype (the trainer's params dtype / Megatron-Bridge export_weight_dtype), or serve the rollout from a "
-            f"checkpoint in the dtype the trainer exports"
-        )
-    return None
 
 
 def push(

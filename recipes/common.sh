@@ -17,7 +17,7 @@ export MOONCAKE_PROTOCOL=${P2P_PROTOCOL:-rdma}
 export MC_LOG_LEVEL=${MC_LOG_LEVEL:-ERROR}
 export HYDRA_FULL_ERROR=1
 
-P2P_KWARGS=actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.p2p
+P2P_KWARGS=actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.verl_p2p
 
 # Overrides every recipe adds after its own.
 p2p_overrides() {

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GRPO, Qwen3-4B, one node of 8 GPUs: verl one_step_off_policy, Megatron trainer on 4 GPUs, 4 SGLang replicas
-# (TP=1) on the other 4, weights synced with checkpoint_engine.backend=p2p through verl_p2p's manager
+# (TP=1) on the other 4, weights synced with checkpoint_engine.backend=verl_p2p through verl_p2p's manager
 # (P2P_MANAGER=engine: verl's stock manager). See recipes/README.md for the toggles.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"

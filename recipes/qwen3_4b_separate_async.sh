@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GRPO, Qwen3-4B, one node of 8 GPUs: verl v1 separate_async, Megatron trainer on 4 GPUs, 4 standalone SGLang
-# replicas (TP=1) on the other 4, weights synced with checkpoint_engine.backend=p2p (verl's stock manager
+# replicas (TP=1) on the other 4, weights synced with checkpoint_engine.backend=verl_p2p (verl's stock manager
 # drives the p2p engine hooks). See recipes/README.md for the toggles (CHECK_WEIGHTS=1, P2P_PROTOCOL=tcp, ...).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"

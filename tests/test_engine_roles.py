@@ -162,7 +162,8 @@ def test_roles_from_verls_real_construction(constructed):
 
 
 def test_bad_engine_kwargs_fail_at_construction_naming_valid_keys(constructed):
-    assert "unknown checkpoint_engine.engine_kwargs.p2p key(s) ['bucket_mb']" in constructed["bad"]
+    assert "unknown checkpoint_engine.engine_kwargs.verl_p2p" in constructed["bad"]
+    assert "key(s) ['bucket_mb']" in constructed["bad"]
     assert "bucket_size_mb" in constructed["bad"]
 
 
@@ -377,7 +378,7 @@ def test_rollout_leader_runs_its_part_of_the_sync(server):
     assert not server.cache_stale  # flushed in finalize: verl resumes generation right after it
 
     again = engine.prepare()["engine"]  # acknowledged: only the digest travels, rank info is not re-read
-    assert again == EngineMeta(2, published.digest)
+    assert again == EngineMeta(2, published.digest, sessions=True)  # sessions: known once begin was sent
     assert server.bootstrap_calls.count("get_transfer_engine_info") == 2
     engine.receive_weights(global_steps=12)
     engine.finalize()

@@ -145,13 +145,16 @@ def test_rollout_name_and_p2p_options_are_checked():
     cfg = main_ppo(
         "trainer.v1.trainer_mode=separate_async",
         "actor_rollout_ref.rollout.name=vllm",
-        "+actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.p2p.bucket_mb=8",
-        "actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.p2p.protocol=ib",
+        "+actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.verl_p2p.bucket_mb=8",
+        "actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.verl_p2p.protocol=ib",
     )
     problems = config_problems(cfg, MAIN_PPO)
     assert len(problems) == 2
     assert "rollout.name='vllm'" in problems[0] and "Fix: actor_rollout_ref.rollout.name=sglang" in problems[0]
-    assert "unknown checkpoint_engine.engine_kwargs.p2p key(s) ['bucket_mb']" in problems[1]
+    assert (
+        "unknown checkpoint_engine.engine_kwargs.verl_p2p (engine_kwargs.p2p with backend=p2p) key(s) " in problems[1]
+    )
+    assert "['bucket_mb']" in problems[1]
     assert "valid keys" in problems[1]
 
 

@@ -1,5 +1,5 @@
 """conf/ and every recipe compose against verl 0.9.1's real trainer configs, and what they compose resolves:
-the backend to P2PCheckpointEngine, the manager class to P2PCheckpointEngineManager, engine_kwargs.p2p through
+the backend (`verl_p2p`) to P2PCheckpointEngine, the manager class to P2PCheckpointEngineManager, its options through
 P2PConfig, the rollout section through verl's own RolloutConfig dataclass, and the guards pass."""
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ from verl_p2p.backend.engine import P2PCheckpointEngine
 from verl_p2p.backend.guards import check_config, entry_of
 from verl_p2p.backend.manager import P2PCheckpointEngineManager
 from verl_p2p.config import P2PConfig
+from verl_p2p.errors import P2PConfigError
 from verl_p2p.rollout.launch import p2p_server_args
 
+KWARGS = "actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs"
 RECIPES = sorted((ROOT / "recipes").glob("*.sh"))
 RECIPES = [r for r in RECIPES if r.name != "common.sh"]
 TINY = ROOT / "recipes" / "tiny_grpo_2gpu.sh"  # checks its own weights by default; see test_tiny_recipe.py
@@ -30,9 +32,10 @@ TINY = ROOT / "recipes" / "tiny_grpo_2gpu.sh"  # checks its own weights by defau
 def check_p2p_config(cfg, module: str) -> RolloutConfig:
     """The checks every composed p2p config must pass; returns verl's RolloutConfig built from it."""
     rollout = cfg.actor_rollout_ref.rollout
+    assert rollout.checkpoint_engine.backend == "verl_p2p"  # the unambiguous name (verl may ship its own `p2p`)
     assert CheckpointEngineRegistry.get(rollout.checkpoint_engine.backend) is P2PCheckpointEngine
-    P2PConfig.from_mapping(rollout.checkpoint_engine.engine_kwargs.p2p)
-    check_config(cfg, entry_of(cfg, _task(module)))
+    P2PConfig.from_mapping(rollout.checkpoint_engine.engine_kwargs.verl_p2p)
+    check_config(cfg, entry_of(cfg, _task(module)), guard=True)
     assert OmegaConf.to_container(cfg.hydra.callbacks) == {
         "verl_p2p_guard": {"_target_": "verl_p2p.backend.hydra_callback.P2PGuardCallback"}
     }
@@ -40,7 +43,7 @@ def check_p2p_config(cfg, module: str) -> RolloutConfig:
     del task["hydra"]  # what the task function gets
     resolved = OmegaConf.to_container(OmegaConf.create(task), resolve=True)  # every interpolation resolves
     assert resolved["ray_kwargs"]["ray_init"]["runtime_env"]["env_vars"]["MOONCAKE_PROTOCOL"] == (
-        rollout.checkpoint_engine.engine_kwargs.p2p.protocol
+        rollout.checkpoint_engine.engine_kwargs.verl_p2p.protocol
     )
     ce = omega_conf_to_dataclass(rollout.checkpoint_engine)
     assert isinstance(ce, CheckpointEngineConfig) and ce.custom_backend_module == "verl_p2p"
@@ -69,10 +72,12 @@ def _task(module: str):
 def test_conf_sets_every_p2p_option_with_its_default_and_the_server_args():
     overlay = yaml.safe_load((CONF / "p2p" / "default.yaml").read_text())
     rollout = overlay["actor_rollout_ref"]["rollout"]
-    p2p = rollout["checkpoint_engine"]["engine_kwargs"]["p2p"]
+    p2p = rollout["checkpoint_engine"]["engine_kwargs"]["verl_p2p"]
+    assert rollout["checkpoint_engine"]["engine_kwargs"]["p2p"] == "${.verl_p2p}"  # the same, for backend=p2p
     assert list(p2p) == P2PConfig.valid_keys()
     defaults = {f.name: f.default for f in dataclasses.fields(P2PConfig) if f.name != "extra"}
-    assert P2PConfig.from_mapping(p2p) == P2PConfig(**{**defaults, "check_weight_update_skip_list": ()})
+    lists = {"check_weight_update_skip_list": (), "unused_hf_tensors_allowed": ()}
+    assert P2PConfig.from_mapping(p2p) == P2PConfig(**{**defaults, **lists})
     assert rollout["engine_kwargs"]["sglang"] == p2p_server_args()
     assert rollout["checkpoint_manager_class"] == "verl_p2p.backend.manager.P2PCheckpointEngineManager"
 
@@ -116,7 +121,7 @@ def test_recipe_composes_and_resolves(script: Path):
     assert cfg.algorithm.adv_estimator == "grpo"
     assert cfg.actor_rollout_ref.actor.strategy == "megatron"
     assert rollout_config.name == "sglang"
-    assert rollout_config.checkpoint_engine.engine_kwargs["p2p"]["check_weight_update_equal"] is (script == TINY)
+    assert rollout_config.checkpoint_engine.engine_kwargs["verl_p2p"]["check_weight_update_equal"] is (script == TINY)
     assert ("Qwen3" in cfg.actor_rollout_ref.model.path) is (script != TINY)
     if module == "verl.trainer.main_ppo":
         assert cfg.trainer.v1.trainer_mode == "separate_async"
@@ -138,7 +143,27 @@ def test_recipe_toggles(script: Path):
     module, args = recipe_command(script, CHECK_WEIGHTS="1", P2P_MANAGER="engine", P2P_PROTOCOL="tcp")
     cfg = compose_config(module, args)
     rollout_config = check_p2p_config(cfg, module)
-    p2p = rollout_config.checkpoint_engine.engine_kwargs["p2p"]
+    p2p = rollout_config.checkpoint_engine.engine_kwargs["verl_p2p"]
     assert p2p["check_weight_update_equal"] is True and p2p["protocol"] == "tcp"
     assert rollout_config.load_format == "auto" and cfg.trainer.resume_mode == "disable"
     assert rollout_config.checkpoint_manager_class is None  # verl's stock manager
+
+
+def test_overlay_with_backend_p2p_hands_the_engine_the_same_options():
+    """Users write backend=p2p: with the overlay, verl then passes engine_kwargs.p2p, which mirrors verl_p2p."""
+    args = [f"--config-path={CONF}", "--config-name=ppo_megatron_trainer_p2p"]
+    cfg = compose_config(
+        "verl.trainer.main_ppo",
+        [*args, "actor_rollout_ref.rollout.checkpoint_engine.backend=p2p", f"{KWARGS}.verl_p2p.protocol=tcp"],
+    )
+    check_config(cfg, "main_ppo", guard=True)
+    ce = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout.checkpoint_engine)
+    assert CheckpointEngineRegistry.get(ce.backend) is P2PCheckpointEngine
+    assert ce.engine_kwargs["p2p"] == ce.engine_kwargs["verl_p2p"] and ce.engine_kwargs["p2p"]["protocol"] == "tcp"
+
+
+def test_options_left_under_the_other_name_are_refused_not_ignored():
+    args = [f"--config-path={CONF}", "--config-name=ppo_megatron_trainer_p2p"]
+    cfg = compose_config("verl.trainer.main_ppo", [*args, f"{KWARGS}.p2p={{protocol: tcp}}"])
+    with pytest.raises(P2PConfigError, match="engine_kwargs.p2p is set, but with backend=verl_p2p .* would be ignored"):
+        check_config(cfg, "main_ppo", guard=True)

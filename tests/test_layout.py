@@ -22,9 +22,27 @@ def test_dp_attention_layout():
     assert all(lay.enable_dp_lm_head for lay in layouts)
 
 
-def test_dp_without_dp_attention_is_plain_tp():
-    lay = layout_from_server_args({"tp_size": 2, "dp_size": 2}, 1)
-    assert lay.attn_dp_size == 1 and lay.attn_tp_rank == 1
+@pytest.mark.parametrize(
+    "args",
+    [
+        {"tp_size": 2, "dp_size": 2},  # 0.5.12: two copies of the model in one engine
+        {"tp_size": 4, "dp_size": 2, "enable_dp_attention": False},
+        {"tp_size": 4, "dp_size": 2, "attn_dp_size": 2, "enable_dp_attention": True},  # >= 0.5.22: copies of DP-attn
+    ],
+)
+def test_dp_without_dp_attention_is_refused_naming_the_collision_and_the_fix(args):
+    """Each copy's ranks register with the bootstrap server by tp_rank: they would overwrite each other."""
+    with pytest.raises(UnsupportedLayoutError) as info:
+        layout_from_server_args(args, 1)
+    text = str(info.value)
+    assert f"dp_size={args['dp_size']} " in text and "runs 2 copies of the model" in text and "same tp_rank" in text
+    assert "enable_dp_attention=true" in text and "data_parallel_size=1" in text
+
+
+def test_dp_attention_reported_as_attn_dp_size_is_one_copy():
+    """SGLang >= 0.5.22 reports attention DP as attn_dp_size with dp_size=1."""
+    lay = layout_from_server_args({"tp_size": 4, "dp_size": 1, "attn_dp_size": 2, "enable_dp_attention": True}, 3)
+    assert (lay.attn_dp_size, lay.attn_dp_rank, lay.attn_tp_rank) == (2, 1, 1)
 
 
 def test_layout_keys_distinguish_layouts():

@@ -225,5 +225,5 @@ def test_refuses_a_rollout_that_does_not_publish(setup, fakes):
 
 def test_manager_needs_the_p2p_backend(setup):
     _, actors, replicas = setup
-    with pytest.raises(P2PConfigError, match="needs checkpoint_engine.backend=p2p, got 'naive'"):
+    with pytest.raises(P2PConfigError, match="needs checkpoint_engine.backend=verl_p2p, got 'naive'"):
         P2PCheckpointEngineManager(config=CheckpointEngineConfig(backend="naive"), actor_wg=actors, replicas=replicas)

@@ -68,12 +68,13 @@ ENV = {
 }
 
 
-def checkpoint_engine(**p2p) -> dict:
+def checkpoint_engine(backend: str = "p2p", **p2p) -> dict:
+    """verl's checkpoint_engine section; the options go under engine_kwargs.<backend> (verl passes that entry)."""
     return {
-        "backend": "p2p",
+        "backend": backend,
         "update_weights_bucket_megabytes": 64,
         "custom_backend_module": "verl_p2p",
-        "engine_kwargs": {"p2p": {**P2P_OPTIONS, **p2p}},
+        "engine_kwargs": {backend: {**P2P_OPTIONS, **p2p}},
     }
 
 
@@ -336,7 +337,9 @@ def test_p2p_manager_syncs_reuses_and_adds_a_replica(world):
     from verl_p2p.backend.manager import P2PCheckpointEngineManager
 
     manager = P2PCheckpointEngineManager(
-        config=CheckpointEngineConfig(**checkpoint_engine()), actor_wg=world.trainer, replicas=[world.replicas[0]]
+        config=CheckpointEngineConfig(**checkpoint_engine("verl_p2p")),  # the unambiguous name, through verl's workers
+        actor_wg=world.trainer,
+        replicas=[world.replicas[0]],
     )
 
     def sync(step: int, engine: int, first: bool) -> list[str]:

@@ -1,7 +1,8 @@
-"""P2PConfig: every `checkpoint_engine.engine_kwargs.p2p.*` option, its default, and its validation.
+"""P2PConfig: every `checkpoint_engine.engine_kwargs.verl_p2p.*` option, its default, and its validation.
 
 verl rejects unknown keys directly under `checkpoint_engine`, so the backend's options live under
-`engine_kwargs.p2p`. A wrong key or value raises one P2PConfigError that lists the valid keys.
+`engine_kwargs.<backend>` (verl passes the entry named like the backend: `verl_p2p`, or `p2p` with
+`backend=p2p`). A wrong key or value raises one P2PConfigError that lists the valid keys.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ _CHOICES = {
     "executor": ("compiled", "sglang"),
     "staging": ("auto", "gpu", "pinned"),
 }
+OPTIONS = "checkpoint_engine.engine_kwargs.verl_p2p (engine_kwargs.p2p with backend=p2p)"
+# options holding a list of tensor names (or fnmatch patterns); a comma-separated string is accepted too
+_NAME_LISTS = ("check_weight_update_skip_list", "unused_hf_tensors_allowed")
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,7 @@ class P2PConfig:
     verify_first_push: bool = False  # check the first push of each plan generation against SGLang's loader
     staging: str = "auto"  # transfer slots in GPU memory (gpu), pinned host memory (pinned), or choose (auto)
     plan_cache_dir: str | None = None  # captured write plans on disk; None: ~/.cache/verl_p2p/plans, "": no cache
+    unused_hf_tensors_allowed: tuple[str, ...] = ()  # fnmatch patterns of streamed HF names no rollout param takes
     extra: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -55,18 +60,22 @@ class P2PConfig:
 
     @classmethod
     def from_mapping(cls, options: Mapping[str, Any] | None) -> P2PConfig:
-        """Build from `engine_kwargs.p2p` (a dict or an OmegaConf node); raise on any unknown key or bad value."""
-        options = dict(_plain(options) or {})
+        """Build from the backend's options (a dict or an OmegaConf node); raise on any unknown key or bad value."""
+        options = plain(options)
+        if options is None:
+            options = {}
+        if not isinstance(options, Mapping):
+            raise P2PConfigError(f"{OPTIONS} must be a mapping of options, got {type(options).__name__} {options!r}")
+        options = dict(options)
         unknown = sorted(set(options) - set(cls.valid_keys()))
         if unknown:
-            raise P2PConfigError(
-                f"unknown checkpoint_engine.engine_kwargs.p2p key(s) {unknown}; valid keys: {cls.valid_keys()}"
-            )
-        if "check_weight_update_skip_list" in options:
-            skip = options["check_weight_update_skip_list"] or ()
-            if isinstance(skip, str):
-                skip = [s for s in skip.split(",") if s]
-            options["check_weight_update_skip_list"] = tuple(skip)
+            raise P2PConfigError(f"unknown {OPTIONS} key(s) {unknown}; valid keys: {cls.valid_keys()}")
+        for key in _NAME_LISTS:
+            if key in options:
+                names = options[key] or ()
+                if isinstance(names, str):
+                    names = [s for s in names.split(",") if s]
+                options[key] = tuple(names) if isinstance(names, (list, tuple)) else names
         try:
             config = cls(**options)
         except TypeError as exc:  # pragma: no cover - guarded by the unknown-key check
@@ -100,13 +109,13 @@ class P2PConfig:
                 errors.append(f"{key}={getattr(self, key)!r} (true or false)")
         if self.plan_cache_dir is not None and not isinstance(self.plan_cache_dir, str):
             errors.append(f"plan_cache_dir={self.plan_cache_dir!r} (a directory path, or '' to disable the plan cache)")
-        if not all(isinstance(s, str) for s in self.check_weight_update_skip_list):
-            errors.append("check_weight_update_skip_list (a list of tensor names)")
+        for key in _NAME_LISTS:
+            value = getattr(self, key)
+            if not isinstance(value, tuple) or not all(isinstance(s, str) and s for s in value):
+                errors.append(f"{key}={value!r} (a list of tensor names or patterns)")
         if errors:
             raise P2PConfigError(
-                "invalid checkpoint_engine.engine_kwargs.p2p value(s): "
-                + "; ".join(errors)
-                + f"; valid keys: {self.valid_keys()}"
+                f"invalid {OPTIONS} value(s): " + "; ".join(errors) + f"; valid keys: {self.valid_keys()}"
             )
 
     @property
@@ -123,9 +132,9 @@ def config_field(node: Any, key: str) -> Any:
     return getattr(node, key, None)
 
 
-def _plain(options: Any) -> Any:
+def plain(options: Any) -> Any:
     """OmegaConf nodes to plain containers without importing omegaconf when it is not needed."""
-    if options is None or isinstance(options, dict):
+    if options is None or isinstance(options, (dict, str, int, float, bool, list, tuple)):
         return options
     try:
         from omegaconf import DictConfig, OmegaConf

@@ -11,7 +11,7 @@ class P2PError(RuntimeError):
 
 
 class P2PConfigError(P2PError, ValueError):
-    """A bad `engine_kwargs.p2p` key or value, or a rollout server setting p2p cannot work with."""
+    """A bad `engine_kwargs.verl_p2p` key or value, or a rollout server setting p2p cannot work with."""
 
 
 class UnsupportedLayoutError(P2PError):
@@ -58,3 +58,7 @@ def unknown_targets_of(error: BaseException) -> frozenset | None:
             return targets
         todo += [getattr(exc, "cause", None), exc.__cause__]
     return None
+
+
+class MalformedAnswerError(P2PError, ValueError):
+    """A rollout server's answer (server info, rank info) lacks the documented shape or holds impossible values."""

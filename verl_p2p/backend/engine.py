@@ -20,7 +20,7 @@ KV and generation. Here:
 
 verl's own `set_global_steps` stamp still happens: the rollout's server adapter receives the empty stream and
 stamps the version. Construction is cheap (verl builds the engine on every actor and rollout worker in every
-trainer mode): it validates `engine_kwargs.p2p`, finds its verl worker and decides trainer vs rollout; nothing
+trainer mode): it validates its options, finds its verl worker and decides trainer vs rollout; nothing
 is imported, allocated or connected until a hook needs it.
 """
 
@@ -28,14 +28,16 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import hashlib
 import logging
 from collections.abc import Coroutine, Generator, Mapping
 from typing import Any
 
-from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
+from verl.checkpoint_engine.base import CheckpointEngine
 
 from verl_p2p.backend import metrics as p2p_metrics
+from verl_p2p.backend.plugin import register_engine
 from verl_p2p.backend.roles import (
     Role,
     RolloutIdentity,
@@ -67,15 +69,16 @@ def run_sync(coro: Coroutine) -> Any:
         return pool.submit(asyncio.run, coro).result()
 
 
-@CheckpointEngineRegistry.register("p2p")
 class P2PCheckpointEngine(CheckpointEngine):
-    """Checkpoint engine `p2p`: trainer sources write straight into SGLang rollout ranks' weight memory.
+    """Checkpoint engine `verl_p2p` (also `p2p`): trainer sources write straight into SGLang rollout ranks'
+    weight memory. Registered by `plugin.register_engine` below.
 
     Args:
         bucket_size: verl's `update_weights_bucket_megabytes` in bytes; unused (p2p sizes its transfer slots
-            with `engine_kwargs.p2p.bucket_size_mb`).
+            with the `bucket_size_mb` option).
         is_master: passed by verl on trainer ranks only (rank 0); its presence marks the trainer side.
-        **options: `checkpoint_engine.engine_kwargs.p2p`, validated by P2PConfig.
+        **options: `checkpoint_engine.engine_kwargs.<backend>` (verl passes the entry named like the backend:
+            `verl_p2p`, or `p2p`), validated by P2PConfig.
     """
 
     def __init__(self, bucket_size: int, is_master: bool | None = None, **options: Any) -> None:
@@ -169,7 +172,7 @@ class P2PCheckpointEngine(CheckpointEngine):
             mine = p2p_metrics.as_dict(self._session.push())
         except Exception as exc:  # every rank must reach the gather below, or the others wait forever
             error = exc
-        text = None if error is None else f"{type(error).__name__}: {error}"
+        text = None if error is None else _outcome(error, self.trainer.rank)
         outcomes = self._gather((self.trainer.rank, mine, text, self._unknown_after(error)))
         failed = [(rank, why) for rank, _, why, _ in outcomes if why]
         if failed:
@@ -252,9 +255,9 @@ class P2PCheckpointEngine(CheckpointEngine):
             await self._checker.arm([adapter])
         await adapter.begin_session()
         self._in_sync = True
-        meta = self._published
+        meta = dataclasses.replace(self._published, sessions=adapter.sessions_supported)  # known after begin
         if self._acked == meta.digest:
-            return EngineMeta(meta.engine, meta.digest)
+            return EngineMeta(meta.engine, meta.digest, sessions=meta.sessions)
         return meta
 
     def _leader_adapter(self) -> Any:
@@ -295,6 +298,22 @@ class P2PCheckpointEngine(CheckpointEngine):
         if self._checker.wants_compare:
             await self._checker.compare([adapter])
         await adapter.flush_cache()  # the writes bypassed SGLang's loader, which would have flushed it
+
+
+register_engine(P2PCheckpointEngine)
+
+
+def _outcome(error: BaseException, rank: int) -> str:
+    """What a rank reports of its failed push: its own cause, or (aborted by its export group's go/no-go for a
+    peer's refusal) which peers refused; so the sync's error names each cause once."""
+    from verl_p2p.trainer.senders import ExportAbortedError
+
+    if isinstance(error, ExportAbortedError):
+        if rank in error.failures:
+            return error.failures[rank]
+        refused = ", ".join(map(str, sorted(error.failures)))
+        return f"did not export: its export group's go/no-go stopped it (trainer rank(s) {refused} refused)"
+    return f"{type(error).__name__}: {error}"
 
 
 # ---- driver ----------------------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
-"""Configurations where `backend=p2p` would be ignored or cannot work, refused with the reason and the fix.
+"""Configurations where `backend=verl_p2p` (or `p2p`) would be ignored or cannot work, refused with the reason
+and the fix.
 
 Checked on the driver before anything launches (`verl_p2p.backend.hydra_callback.P2PGuardCallback`, installed by
 conf/p2p/default.yaml) and again where each part starts: the rollout leader checks its server's effective args, the
-replica launch checks the server args, every engine validates `engine_kwargs.p2p`.
+replica launch checks the server args, every engine validates its options (`engine_kwargs.<backend>`).
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from verl_p2p.config import P2PConfig, config_field
+from verl_p2p.backend.plugin import ALIAS, BACKEND, BACKEND_NAMES, backend_problem, our_config_signs, uses_verl_p2p
+from verl_p2p.config import P2PConfig, config_field, plain
 from verl_p2p.errors import P2PConfigError
-from verl_p2p.rollout.launch import server_arg_problems
+from verl_p2p.rollout.launch import rollout_dp_problem, server_arg_problems
 
 logger = logging.getLogger(__name__)
 
@@ -56,16 +58,26 @@ def trainer_mode_problems(config: Mapping[str, Any], entry: str) -> list[str]:
             "checkpoint_engine.backend says (verl's v1 trainer_base overrides it), so p2p would be silently "
             "ignored. Fix: trainer.v1.trainer_mode=separate_async with standalone rollout "
             "(actor_rollout_ref.rollout.nnodes/n_gpus_per_node), or run verl.experimental.one_step_off_policy / "
-            "fully_async_policy, or drop checkpoint_engine.backend=p2p"
+            "fully_async_policy, or drop checkpoint_engine.backend=verl_p2p"
         ]
     return []
 
 
-def config_problems(config: Mapping[str, Any], entry: str | None = None) -> list[str]:
-    """Every reason this trainer config cannot run p2p; [] when it can (or when p2p is not selected)."""
+GUARD_SIGN = "verl_p2p's Hydra guard (conf/p2p/default.yaml) is installed"
+
+
+def config_problems(config: Mapping[str, Any], entry: str | None = None, guard: bool = False) -> list[str]:
+    """Every reason this trainer config cannot run verl_p2p; [] when it can (or when it is not selected).
+    `guard`: called by the Hydra guard (so verl_p2p's config is in use whatever the backend resolves to)."""
     rollout = config_field(config_field(config, "actor_rollout_ref"), "rollout") or {}
     checkpoint_engine = config_field(rollout, "checkpoint_engine") or {}
-    if config_field(checkpoint_engine, "backend") != "p2p":
+    backend = config_field(checkpoint_engine, "backend")
+    if backend not in BACKEND_NAMES:
+        return []
+    clash = backend_problem(backend, our_config_signs(rollout) + ([GUARD_SIGN] if guard else []))
+    if clash is not None:
+        return [clash]
+    if not uses_verl_p2p(backend):  # `p2p` is another package's backend, and nothing of verl_p2p's is in use
         return []
     problems = trainer_mode_problems(config, entry or entry_of(config))
     if config_field(rollout, "name") != "sglang":
@@ -75,20 +87,33 @@ def config_problems(config: Mapping[str, Any], entry: str | None = None) -> list
         )
     if config_field(config_field(rollout, "disaggregation") or {}, "enabled"):
         problems.append("rollout.disaggregation.enabled=true: p2p does not sync prefill/decode-disaggregated rollouts")
+    engine_kwargs = config_field(checkpoint_engine, "engine_kwargs") or {}
+    short, alias = (plain(config_field(engine_kwargs, name)) for name in (BACKEND, ALIAS))
+    if backend == ALIAS and short is not None and short != alias:  # conf/ mirrors verl_p2p's options under p2p
+        problems.append(
+            f"checkpoint_engine.engine_kwargs.{BACKEND} is set, but with backend={ALIAS} verl hands the engine "
+            f"engine_kwargs.{ALIAS} only: those options would be ignored. Fix: move them under "
+            f"checkpoint_engine.engine_kwargs.{ALIAS}"
+        )
     try:
-        P2PConfig.from_mapping(config_field(config_field(checkpoint_engine, "engine_kwargs") or {}, "p2p"))
+        P2PConfig.from_mapping(config_field(engine_kwargs, backend))
     except P2PConfigError as exc:
         problems.append(str(exc))
     problems += server_arg_problems(dict(config_field(config_field(rollout, "engine_kwargs") or {}, "sglang") or {}))
+    dp = rollout_dp_problem(rollout)
+    if dp is not None:
+        problems.append(dp)
     return problems
 
 
-def check_config(config: Mapping[str, Any], entry: str | None = None) -> None:
+def check_config(config: Mapping[str, Any], entry: str | None = None, guard: bool = False) -> None:
     """Raise one P2PConfigError listing every problem of `config_problems`."""
-    problems = config_problems(config, entry)
+    problems = config_problems(config, entry, guard)
     if problems:
+        rollout = config_field(config_field(config, "actor_rollout_ref"), "rollout") or {}
+        backend = config_field(config_field(rollout, "checkpoint_engine"), "backend")
         raise P2PConfigError(
-            "checkpoint_engine.backend=p2p cannot run with this config:\n  - " + "\n  - ".join(problems)
+            f"checkpoint_engine.backend={backend} cannot run with this config:\n  - " + "\n  - ".join(problems)
         )
 
 
@@ -99,7 +124,7 @@ def warn_hybrid_actor(owner: Any) -> None:
         return
     _warned.add("hybrid")
     logger.warning(
-        "checkpoint_engine.backend=p2p with actor_rollout_ref.hybrid_engine=true: rollout replicas colocated on the "
-        "trainer GPUs are synced by verl's naive path; p2p syncs only standalone replicas (v1 separate_async, "
+        "checkpoint_engine.backend=verl_p2p with actor_rollout_ref.hybrid_engine=true: rollout replicas colocated on "
+        "the trainer GPUs are synced by verl's naive path; p2p syncs only standalone replicas (v1 separate_async, "
         "one_step_off, fully_async). In v1 sync/colocate_async trainers p2p is never used."
     )

@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 class P2PGuardCallback(Callback):
     def on_job_start(self, config: Any, *, task_function: Any = None, **kwargs: Any) -> None:
         try:
-            check_config(config, entry_of(config, task_function))
+            check_config(config, entry_of(config, task_function), guard=True)
         except P2PConfigError as exc:
             logger.error("%s", exc)
             raise SystemExit(f"verl_p2p refused the run: {exc}") from exc

@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 
 class P2PCheckpointEngineManager(CheckpointEngineManager):
-    """CheckpointEngineManager for `checkpoint_engine.backend=p2p`; see the module docstring.
+    """CheckpointEngineManager for `checkpoint_engine.backend=verl_p2p` (or `p2p`); see the module docstring.
 
     Args:
         config: verl's CheckpointEngineConfig (backend must be `p2p`).
@@ -47,12 +47,13 @@ class P2PCheckpointEngineManager(CheckpointEngineManager):
     def __init__(self, config: Any, actor_wg: Any, replicas: list[Any]) -> None:
         plugin.raise_load_error("backend")
         super().__init__(config, actor_wg, replicas)
-        if self.backend != "p2p":
+        plugin.check_backend(self.backend, [f"checkpoint_manager_class={plugin.MANAGER_CLASS}"])
+        if not plugin.uses_verl_p2p(self.backend):
             raise P2PConfigError(
-                f"P2PCheckpointEngineManager needs checkpoint_engine.backend=p2p, got {self.backend!r}: set the "
-                "backend, or drop actor_rollout_ref.rollout.checkpoint_manager_class"
+                f"P2PCheckpointEngineManager needs checkpoint_engine.backend={plugin.ALIAS}, got {self.backend!r}: "
+                "set the backend, or drop actor_rollout_ref.rollout.checkpoint_manager_class"
             )
-        self.p2p_config = P2PConfig.from_mapping((config.engine_kwargs or {}).get("p2p"))
+        self.p2p_config = P2PConfig.from_mapping((config.engine_kwargs or {}).get(self.backend))
         self._lifecycle: Any = None
         self._checked: set[int] = set()
         self._sources: list[SourceMeta] | None = None
@@ -120,11 +121,19 @@ class P2PCheckpointEngineManager(CheckpointEngineManager):
     async def _push(self, connection: Any, global_steps: int | None) -> dict:
         """The lifecycle's push step: (re)plan on change, then every trainer rank exports and writes."""
         sources = await self._source_metas()
-        key = (connection.generation, tuple(connection.targets), tuple(sources))  # a re-push is a plan of its own
+        # engines whose begin answered 404 (no weight-update sessions): the trainer refuses models needing post-load
+        sessionless = tuple(a.engine for a in self._lifecycle.adapters if a.sessions_supported is False)
+        # a re-push is a plan of its own
+        key = (connection.generation, tuple(connection.targets), tuple(sources), sessionless)
         if key != self._plan_key:
             self._generation += 1
             assignments = assign(
-                sources, connection.server_infos, connection.rank_infos, connection.layouts, self._generation
+                sources,
+                connection.server_infos,
+                connection.rank_infos,
+                connection.layouts,
+                self._generation,
+                sessionless,
             )
             await self._on_trainer(
                 self.actor_wg.execute_checkpoint_engine(

@@ -6,9 +6,15 @@ Neither import should cost anything, so registration waits until verl itself imp
 the registry: a post-import hook runs `register_backend()` right after `verl.checkpoint_engine` executes (at
 once when it is already imported), and `register_replica()` after `verl.workers.rollout.replica`.
 
-If the backend's own modules cannot be imported, a stand-in is registered under `p2p` that raises the real
-cause (chained) when verl builds the engine or the driver builds the topology, so `backend=p2p` never fails
-with "not registered" or, worse, silently.
+If the backend's own modules cannot be imported, a stand-in is registered under our names that raises the
+real cause (chained) when verl builds the engine or the driver builds the topology, so `backend=p2p` never
+fails with "not registered" or, worse, silently.
+
+Names: the engine is registered as `verl_p2p` (unambiguous, what conf/ uses) and as `p2p` unless another
+class already holds `p2p` (verl's own p2p backend, proposed upstream, or another plugin): that one is never
+overwritten. Which class `p2p` resolves to is logged, and wherever this package's configuration is in use
+(its options, manager, Hydra guard or custom_backend_module) while `backend=p2p` resolves to another class,
+`check_backend` refuses the run naming both classes (`backend=verl_p2p` is the fix).
 """
 
 from __future__ import annotations
@@ -24,7 +30,11 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-BACKEND = "p2p"
+BACKEND = "p2p"  # the short name: ours unless another class holds it
+ALIAS = "verl_p2p"  # always ours; conf/ uses it
+BACKEND_NAMES = (ALIAS, BACKEND)
+ENGINE_CLASS = "verl_p2p.backend.engine.P2PCheckpointEngine"
+MANAGER_CLASS = "verl_p2p.backend.manager.P2PCheckpointEngineManager"
 REGISTRY_MODULE = "verl.checkpoint_engine"
 REPLICA_MODULE = "verl.workers.rollout.replica"
 
@@ -108,22 +118,121 @@ def install() -> None:
 
 
 def register_backend() -> None:
-    """Import verl_p2p.backend.engine, which registers `P2PCheckpointEngine` as `p2p` in verl's CheckpointEngineRegistry
-    (`@CheckpointEngineRegistry.register`); register the stand-in instead if that import fails."""
+    """Import verl_p2p.backend.engine, which registers `P2PCheckpointEngine` (`register_engine`); register the
+    stand-in instead if that import fails."""
     with _lock:
         if "backend" in _done:
             return
         _done.add("backend")
     try:
         # When verl_p2p.backend.engine itself is being imported (it imports verl's registry), this returns the module
-        # being initialised; its decorator registers the class once it is defined.
+        # being initialised; it registers the class once it is defined.
         importlib.import_module("verl_p2p.backend.engine")
     except Exception as exc:  # noqa: BLE001 - any failure must surface when p2p is used, not here
-        from verl.checkpoint_engine.base import CheckpointEngineRegistry
-
         LOAD_ERRORS["backend"] = exc
-        logger.warning("verl_p2p: backend %r is unavailable: %s: %s", BACKEND, type(exc).__name__, exc)
-        CheckpointEngineRegistry.register(BACKEND)(unavailable_engine_class(exc))
+        logger.warning("verl_p2p: backend %r is unavailable: %s: %s", ALIAS, type(exc).__name__, exc)
+        register_engine(unavailable_engine_class(exc))
+
+
+def register_engine(cls: type) -> None:
+    """Register `cls` as `verl_p2p`, and as `p2p` unless a class of another package holds that name already."""
+    from verl.checkpoint_engine.base import CheckpointEngineRegistry
+
+    CheckpointEngineRegistry.register(ALIAS)(cls)
+    held = CheckpointEngineRegistry._registry.get(BACKEND)
+    if held is None or is_ours(held):
+        CheckpointEngineRegistry.register(BACKEND)(cls)
+        logger.info("verl_p2p: checkpoint_engine backends %r and %r resolve to %s", ALIAS, BACKEND, class_name(cls))
+    else:
+        logger.warning(
+            "verl_p2p: checkpoint_engine backend %r is already %s (not overwritten): it is NOT verl_p2p; "
+            "use checkpoint_engine.backend=%s for verl_p2p (registered as %s)",
+            BACKEND,
+            class_name(held),
+            ALIAS,
+            class_name(cls),
+        )
+
+
+def is_ours(cls: Any) -> bool:
+    return str(getattr(cls, "__module__", "")).split(".")[0] == "verl_p2p"
+
+
+def class_name(cls: Any) -> str:
+    return f"{getattr(cls, '__module__', '?')}.{getattr(cls, '__qualname__', repr(cls))}"
+
+
+def resolved_class(backend: str) -> type | None:
+    """The class verl's registry holds under `backend` now (None when unregistered)."""
+    from verl.checkpoint_engine.base import CheckpointEngineRegistry
+
+    return CheckpointEngineRegistry._registry.get(backend)
+
+
+def our_config_signs(rollout: Any) -> list[str]:
+    """What in a rollout config (`actor_rollout_ref.rollout`, or its checkpoint_engine section) says this
+    package's backend is meant: its custom_backend_module, its manager, options under `verl_p2p`, or options
+    under `p2p` that are all this package's keys."""
+    from verl_p2p.config import P2PConfig, config_field
+
+    checkpoint_engine = config_field(rollout, "checkpoint_engine")
+    if checkpoint_engine is None:
+        checkpoint_engine, rollout = rollout, None
+    signs = []
+    if config_field(checkpoint_engine, "custom_backend_module") == "verl_p2p":
+        signs.append("checkpoint_engine.custom_backend_module=verl_p2p")
+    if config_field(rollout, "checkpoint_manager_class") == MANAGER_CLASS:
+        signs.append(f"checkpoint_manager_class={MANAGER_CLASS}")
+    engine_kwargs = config_field(checkpoint_engine, "engine_kwargs") or {}
+    if config_field(engine_kwargs, ALIAS) is not None:
+        signs.append(f"engine_kwargs.{ALIAS} is set")
+    short = config_field(engine_kwargs, BACKEND)
+    if short and set(short) <= set(P2PConfig.valid_keys()):
+        signs.append(f"engine_kwargs.{BACKEND} holds verl_p2p's options ({', '.join(sorted(map(str, short))[:4])})")
+    return signs
+
+
+def backend_problem(backend: Any, signs: list[str]) -> str | None:
+    """Why `backend` must not run with this package's configuration: `p2p` resolves to another package's class
+    while `signs` say verl_p2p is meant. None when the backend is ours (or our config is not in use)."""
+    if backend != BACKEND or not signs:
+        return None
+    held = resolved_class(BACKEND)
+    if held is None or is_ours(held):
+        return None
+    return (
+        f"checkpoint_engine.backend={BACKEND} resolves to {class_name(held)}, not verl_p2p's {ENGINE_CLASS}, while "
+        f"this config is set up for verl_p2p ({'; '.join(signs)}): verl would run the other backend. Fix: "
+        f"checkpoint_engine.backend={ALIAS} with the options under checkpoint_engine.engine_kwargs.{ALIAS} (or drop "
+        "verl_p2p's settings to use the other backend)"
+    )
+
+
+_logged: set[tuple[str, str]] = set()
+
+
+def check_backend(backend: Any, signs: list[str]) -> None:
+    """Raise P2PConfigError with `backend_problem`, if there is one; log (once) which class `backend` runs."""
+    if backend in BACKEND_NAMES:
+        held = class_name(resolved_class(backend)) if resolved_class(backend) is not None else "nothing"
+        if (backend, held) not in _logged:
+            _logged.add((backend, held))
+            logger.info("verl_p2p: checkpoint_engine.backend=%s resolves to %s", backend, held)
+    problem = backend_problem(backend, signs)
+    if problem is not None:
+        from verl_p2p.errors import P2PConfigError
+
+        raise P2PConfigError(problem)
+
+
+def uses_verl_p2p(backend: Any) -> bool:
+    """`backend` runs this package's engine: `verl_p2p`, or `p2p` while it resolves to ours."""
+    if backend == ALIAS:
+        return True
+    if backend != BACKEND:
+        return False
+    held = resolved_class(BACKEND)
+    return held is None or is_ours(held)
 
 
 def register_replica() -> None:
@@ -146,7 +255,7 @@ def register_replica() -> None:
 def load_error_message(part: str = "backend") -> str:
     exc = LOAD_ERRORS[part]
     return (
-        f"checkpoint_engine.backend={BACKEND!r} is unavailable: verl_p2p failed to load "
+        f"checkpoint_engine.backend={ALIAS!r} (or {BACKEND!r}) is unavailable: verl_p2p failed to load "
         f"({type(exc).__name__}: {exc}). Fix the cause above (a missing or broken dependency of verl_p2p, "
         "or a verl version other than 0.9.1), then check with `python -c 'import verl_p2p.backend.engine'`."
     )
@@ -168,7 +277,7 @@ def unavailable_engine_class(exc: BaseException) -> type:
         raise_load_error("backend")
 
     class UnavailableP2PCheckpointEngine(CheckpointEngine):
-        """Registered as `p2p` when verl_p2p could not load; every use raises the real cause."""
+        """Registered as `verl_p2p` (and `p2p`) when verl_p2p could not load; every use raises the real cause."""
 
         load_error = exc
 

@@ -127,7 +127,7 @@ def rollout_identity(owner: Any | None) -> RolloutIdentity:
     name = getattr(config, "name", None)
     if name not in (None, "sglang"):
         raise P2PConfigError(
-            f"checkpoint_engine.backend=p2p needs actor_rollout_ref.rollout.name=sglang, got {name!r}: "
+            f"checkpoint_engine.backend=verl_p2p needs actor_rollout_ref.rollout.name=sglang, got {name!r}: "
             "p2p writes into SGLang's registered weight memory"
         )
     adapter = getattr(owner, "server_adapter", None)

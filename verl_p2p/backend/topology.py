@@ -8,7 +8,7 @@ and a trainer rank is sent its assignment only when it does not hold the current
 from __future__ import annotations
 
 import threading
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +39,7 @@ class EngineMeta:
     digest: str
     server_info: Mapping[str, Any] | None = None
     rank_infos: Mapping[int, RemoteRankInfo] | None = None
+    sessions: bool | None = None  # whether the server has weight-update sessions (known once begin was sent)
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,8 @@ class Assignment:
     rank_infos: Mapping[TargetRank, RemoteRankInfo] = field(default_factory=dict, repr=False)
     layouts: Mapping[TargetRank, RankLayout] = field(default_factory=dict, repr=False)
     server_infos: Mapping[int, Mapping[str, Any]] = field(default_factory=dict, repr=False)
+    # engines of `targets` known to lack weight-update sessions (SGLang < 0.5.22): no post-load processing
+    sessionless_engines: frozenset[int] = frozenset()
 
     @property
     def is_source(self) -> bool:
@@ -76,8 +79,10 @@ def assign(
     rank_infos: Mapping[TargetRank, RemoteRankInfo],
     layouts: Mapping[TargetRank, RankLayout],
     generation: int,
+    sessionless: Iterable[int] = (),
 ) -> dict[int, Assignment]:
-    """Plan every target onto one source per PP stage; every trainer rank gets an Assignment (maybe idle)."""
+    """Plan every target onto one source per PP stage; every trainer rank gets an Assignment (maybe idle).
+    `sessionless`: engines whose servers answered that they have no weight-update sessions."""
     sizes = {s.pp_size for s in sources}
     if len(sizes) > 1:
         raise P2PError(f"trainer ranks disagree on the pipeline size: {sorted(sizes)}")
@@ -93,6 +98,7 @@ def assign(
     stage_ranks: dict[int, list[int]] = {}
     for s in sorted(sources, key=lambda s: s.rank):
         stage_ranks.setdefault(s.pp_stage, []).append(s.rank)
+    sessionless = frozenset(sessionless)
     result = {}
     for source in sources:
         mine = plan.targets_of(source.rank)
@@ -108,6 +114,7 @@ def assign(
             rank_infos={t: rank_infos[t] for t in mine},
             layouts={t: layouts[t] for t in mine},
             server_infos={e: server_infos[e] for e in sorted({t.engine for t in mine})},
+            sessionless_engines=frozenset(t.engine for t in mine) & sessionless,
         )
     return result
 
@@ -118,6 +125,7 @@ class _Engine:
     server_info: Mapping[str, Any]
     rank_infos: Mapping[int, RemoteRankInfo]
     layouts: Mapping[TargetRank, RankLayout]
+    sessions: bool | None = None
 
 
 class TopologyCache:
@@ -139,8 +147,12 @@ class TopologyCache:
                     f"digest {meta.digest}: the driver restarted while the rollout workers kept running; "
                     "restart the rollout replicas (or the job)"
                 )
+            if meta.sessions is not None:
+                known.sessions = meta.sessions
             return
         if known is not None and known.digest == meta.digest:
+            if meta.sessions is not None:
+                known.sessions = meta.sessions
             return
         ranks = sorted(meta.rank_infos)
         tp = int(meta.server_info.get("tp_size") or 1)
@@ -150,23 +162,27 @@ class TopologyCache:
             layouts = layouts_of(meta.engine, meta.server_info, ranks)
         except P2PError as exc:
             raise type(exc)(f"rollout engine {meta.engine}: {exc}") from exc
-        self._engines[meta.engine] = _Engine(meta.digest, dict(meta.server_info), dict(meta.rank_infos), layouts)
+        self._engines[meta.engine] = _Engine(
+            meta.digest, dict(meta.server_info), dict(meta.rank_infos), layouts, meta.sessions
+        )
 
     def plan(self, sources: Sequence[SourceMeta], engines: Sequence[int]) -> tuple[int, dict[int, Assignment]]:
         """The (generation, assignments) for these sources and engines; a new generation only on change."""
         with self._lock:
             for gone in set(self._engines) - set(engines):
                 del self._engines[gone]
+            sessionless = sorted(e for e in engines if self._engines[e].sessions is False)
             key = (
                 tuple(sorted((s.rank, s.pp_stage, s.pp_size) for s in sources)),
                 tuple(sorted((e, self._engines[e].digest) for e in engines)),
+                tuple(sessionless),
             )
             if key != self._key:
                 server_infos = {e: self._engines[e].server_info for e in engines}
                 rank_infos = {TargetRank(e, r): i for e in engines for r, i in self._engines[e].rank_infos.items()}
                 layouts = {t: lay for e in engines for t, lay in self._engines[e].layouts.items()}
                 generation = self.generation + 1
-                self.assignments = assign(sources, server_infos, rank_infos, layouts, generation)
+                self.assignments = assign(sources, server_infos, rank_infos, layouts, generation, sessionless)
                 self.generation, self._key = generation, key
             return self.generation, self.assignments
 

@@ -1,7 +1,11 @@
 """A rollout rank's parallel layout, derived from its SGLang server args (no upstream endpoint publishes it).
 
-Pure: no I/O. PROTOCOL.md section 5 gives the arithmetic; a published layout (some SGLang forks serve one)
-is preferred and must agree with the derived one.
+Pure: no I/O. For rank r of tp_size T with ep_size E and attention DP D: attn_tp = T // D, attn_tp_rank =
+r % attn_tp, attn_dp_rank = r // attn_tp, moe_tp = T // E, moe_ep_rank = r // moe_tp, moe_tp_rank = r % moe_tp.
+A published layout (some SGLang forks serve one) is preferred and must agree with the derived one.
+
+The server args arrive as a JSON answer (`/server_info`): `check_server_info` refuses one whose layout fields
+have the wrong type or impossible values (MalformedAnswerError) before any arithmetic runs on them.
 """
 
 from __future__ import annotations
@@ -10,7 +14,27 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from verl_p2p.errors import UnsupportedLayoutError
+from verl_p2p.errors import MalformedAnswerError, UnsupportedLayoutError
+
+# Layout fields of /server_info: (least value, default). An engine spanning more ranks than MAX_RANKS is not a
+# real answer (and would make the trainer plan that many targets).
+MAX_RANKS = 4096
+_SIZE_FIELDS = {
+    "tp_size": 1,
+    "ep_size": 1,
+    "dp_size": 1,
+    "attn_dp_size": 1,
+    "pp_size": 1,
+    "moe_dp_size": 1,
+    "attn_cp_size": 1,
+    "context_parallel_size": 1,
+}
+_COUNT_FIELDS = ("ep_num_redundant_experts",)
+_FLAG_FIELDS = ("enable_dp_attention", "enable_dp_lm_head", "enable_eplb")
+DP_FIX = (
+    "set actor_rollout_ref.rollout.engine_kwargs.sglang.enable_dp_attention=true (attention data parallelism "
+    "inside one model copy), or run more rollout replicas with actor_rollout_ref.rollout.data_parallel_size=1"
+)
 
 
 @dataclass(frozen=True)
@@ -60,9 +84,73 @@ def _int(server_args: Mapping[str, Any], name: str, default: int) -> int:
     return default if value is None else int(value)
 
 
+def check_server_info(server_info: Any, where: str = "rollout server") -> None:
+    """Refuse a `/server_info` answer whose layout fields are not what SGLang reports (MalformedAnswerError)
+    or whose sizes cannot belong to one engine (UnsupportedLayoutError): every field named, nothing derived."""
+    if not isinstance(server_info, Mapping):
+        raise MalformedAnswerError(f"{where}: server info is a {type(server_info).__name__}, not a JSON object")
+    problems = []
+    for name in (*_SIZE_FIELDS, *_COUNT_FIELDS):
+        value = server_info.get(name)
+        if value is None:
+            continue
+        least = 0 if name in _COUNT_FIELDS else 1
+        if not isinstance(value, int) or isinstance(value, bool):
+            problems.append(f"{name}={value!r} is not an integer")
+        elif not least <= value <= MAX_RANKS:
+            problems.append(f"{name}={value} is outside {least}..{MAX_RANKS}")
+    for name in _FLAG_FIELDS:
+        value = server_info.get(name)
+        if value is not None and not isinstance(value, bool):
+            problems.append(f"{name}={value!r} is not true/false")
+    version = server_info.get("version")
+    if version is not None and not isinstance(version, str):
+        problems.append(f"version={version!r} is not a release string")
+    if problems:
+        raise MalformedAnswerError(f"{where}: malformed server info: " + "; ".join(problems))
+    tp = _int(server_info, "tp_size", 1)
+    for name in ("ep_size", "attn_dp_size"):
+        value = _int(server_info, name, 1)
+        if tp % value:
+            problems.append(f"tp_size={tp} is not divisible by {name}={value}")
+    if server_info.get("enable_dp_attention") and tp % _int(server_info, "dp_size", 1):
+        problems.append(f"tp_size={tp} is not divisible by dp_size={_int(server_info, 'dp_size', 1)} (DP attention)")
+    if problems:
+        raise UnsupportedLayoutError(f"{where}: inconsistent parallel sizes: " + "; ".join(problems))
+
+
+def model_copies(dp_size: int, enable_dp_attention: bool, attn_dp_size: int | None = None) -> int:
+    """How many copies of the model one engine runs side by side. SGLang's `dp_size` is attention data
+    parallelism inside one copy when DP attention is on (releases before 0.5.22 report it so), else a count of
+    copies; releases that report `attn_dp_size` > 1 count copies in `dp_size` alone."""
+    if enable_dp_attention and not (attn_dp_size and attn_dp_size > 1):
+        return 1
+    return max(1, dp_size)
+
+
+def dp_problem(dp_size: int, enable_dp_attention: bool, attn_dp_size: int | None = None) -> str | None:
+    """Why this DP setting cannot be synced, or None: every copy's ranks register with the engine's bootstrap
+    server by tp_rank, so the copies overwrite each other's rank info and p2p would reach only one of them."""
+    copies = model_copies(dp_size, enable_dp_attention, attn_dp_size)
+    if copies <= 1:
+        return None
+    how = f"on top of attention DP (attn_dp_size={attn_dp_size})" if enable_dp_attention else "without DP attention"
+    return (
+        f"dp_size={dp_size} {how} runs {copies} copies of the model in one engine, whose ranks register their "
+        "weight memory with the bootstrap server under the same tp_rank and overwrite each other (p2p would "
+        f"update one copy and leave the others stale). Fix: {DP_FIX}"
+    )
+
+
 def check_reproducible(server_args: Mapping[str, Any]) -> None:
     """Reject rollout settings whose bytes the replica cannot reproduce, naming the setting and the fix."""
+    check_server_info(server_args)
     problems = []
+    dp = dp_problem(
+        _int(server_args, "dp_size", 1), bool(server_args.get("enable_dp_attention")), server_args.get("attn_dp_size")
+    )
+    if dp is not None:
+        problems.append(dp)
     if _int(server_args, "pp_size", 1) != 1:
         problems.append("pp_size > 1 (rollout pipeline parallelism): use tp/ep instead")
     if _int(server_args, "ep_num_redundant_experts", 0) != 0:

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from verl_p2p.config import P2PConfig
-from verl_p2p.planning.layout import RankLayout, layout_from_server_args
+from verl_p2p.planning.layout import RankLayout, check_server_info, layout_from_server_args
 from verl_p2p.planning.targets import RemoteRankInfo
 from verl_p2p.rollout.client import RankAnswer, RolloutCallError, SGLangClient, normalize_url
 
@@ -139,7 +139,9 @@ class P2PReplicaAdapter:
     async def server_info(self, refresh: bool = False) -> dict[str, Any]:
         """`/server_info`, cached: server args do not change while the server lives."""
         if self._server_info is None or refresh:
-            self._server_info = await self.client.server_info()
+            info = await self.client.server_info()
+            check_server_info(info, str(self))  # a malformed answer: a named P2PError, before any use of it
+            self._server_info = info
         return self._server_info
 
     def forget(self) -> None:

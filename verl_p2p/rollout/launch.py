@@ -22,7 +22,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from verl_p2p.config import config_field
-from verl_p2p.errors import P2PConfigError
+from verl_p2p.errors import P2PConfigError, UnsupportedLayoutError
+from verl_p2p.planning.layout import check_reproducible, check_server_info, dp_problem
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +46,13 @@ def p2p_server_args(base_port: int = DEFAULT_BASE_PORT) -> dict[str, Any]:
 
 
 def uses_p2p(rollout_config: Any) -> bool:
-    checkpoint_engine = config_field(rollout_config, "checkpoint_engine")
-    return config_field(checkpoint_engine, "backend") == "p2p"
+    """The rollout syncs through verl_p2p: `backend=verl_p2p`, or `p2p` while it resolves to verl_p2p's class.
+    Raises P2PConfigError when `p2p` resolves to another package's class while verl_p2p's config is in use."""
+    from verl_p2p.backend.plugin import check_backend, our_config_signs, uses_verl_p2p
+
+    backend = config_field(config_field(rollout_config, "checkpoint_engine"), "backend")
+    check_backend(backend, our_config_signs(rollout_config))
+    return uses_verl_p2p(backend)
 
 
 def sglang_kwargs(rollout_config: Any) -> dict[str, Any]:
@@ -83,10 +89,26 @@ def server_arg_problems(sglang: Mapping[str, Any]) -> list[str]:
     return problems
 
 
+def rollout_dp_problem(rollout_config: Any) -> str | None:
+    """`dp_size > 1` without DP attention, from verl's rollout config (its data_parallel_size is SGLang's dp_size
+    unless engine_kwargs.sglang overrides it); None when the rollout runs one model copy per engine."""
+    sglang = sglang_kwargs(rollout_config)
+    dp = sglang.get("dp_size", config_field(rollout_config, "data_parallel_size"))
+    try:
+        dp_size = int(dp or 1)
+        attn_dp = sglang.get("attn_dp_size")
+        attn_dp = None if attn_dp is None else int(attn_dp)
+    except (TypeError, ValueError):
+        return f"dp_size={dp!r} / attn_dp_size={sglang.get('attn_dp_size')!r} are not integers"
+    return dp_problem(dp_size, bool(sglang.get("enable_dp_attention")), attn_dp)
+
+
 def check_server_args(sglang: Mapping[str, Any]) -> None:
     problems = server_arg_problems(sglang)
     if problems:
-        raise P2PConfigError("checkpoint_engine.backend=p2p needs these SGLang server args: " + "; ".join(problems))
+        raise P2PConfigError(
+            "checkpoint_engine.backend=verl_p2p needs these SGLang server args: " + "; ".join(problems)
+        )
 
 
 def replica_server_args(sglang: Mapping[str, Any], replica_rank: int) -> dict[str, Any]:
@@ -107,8 +129,14 @@ def hybrid_server_args(sglang: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def check_live_server_args(server_info: Mapping[str, Any], engine: int | None = None, url: str | None = None) -> None:
-    """Check a running server's effective args (`/server_info`): SGLang may have turned the seed off itself."""
+    """Check a running server's effective args (`/server_info`): a well-formed answer, a layout p2p can write
+    (MalformedAnswerError / UnsupportedLayoutError), and the seed on (SGLang may have turned it off itself)."""
     where = f"rollout engine {engine} ({url})" if engine is not None else f"rollout server {url}"
+    check_server_info(server_info, where)
+    try:
+        check_reproducible(server_info)  # a layout the replica cannot write (pp, dp copies, EPLB, ...): refuse now
+    except UnsupportedLayoutError as exc:
+        raise UnsupportedLayoutError(f"{where}: {exc}") from exc
     if SEED_FLAG not in server_info:
         raise P2PConfigError(
             f"{where} (SGLang {server_info.get('version', '?')}) reports no {SEED_FLAG}: p2p needs SGLang >= 0.5.12"
@@ -142,6 +170,9 @@ def apply_to_replica(replica: Any) -> None:
     if mode == "hybrid":
         new = hybrid_server_args(sglang)
     else:
+        dp = rollout_dp_problem(config)
+        if dp is not None:
+            raise P2PConfigError(f"rollout replica {replica.replica_rank}: {dp}")
         new = replica_server_args(sglang, replica.replica_rank)
         logger.info("p2p: rollout replica %d bootstrap port %d", replica.replica_rank, new[BOOTSTRAP_PORT])
     config = copy.copy(config)  # never change a config another replica may share

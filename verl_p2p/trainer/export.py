@@ -281,33 +281,55 @@ class StageExporter:
         return self._tasks
 
     def ownership(self, exchange: bool = True) -> StageOwnership:
-        """This stage's HF names; with `exchange`, one all_gather_object over the PP group learns the others'."""
+        """This stage's HF names; with `exchange`, one all_gather_object over the PP group learns the others'.
+
+        Every stage reaches the exchange even when listing its own names failed (it sends the error instead),
+        so a failure on one stage raises on every stage rather than leaving the others in the gather.
+        """
         if self._ownership is None:
-            from megatron.bridge.models.conversion.utils import unwrap_model
             from megatron.core import parallel_state as mpu
 
-            config = unwrap_model(self.modules)[0].config
-            tied = self._mb.mapping_registry() if self._mb._share_embeddings_and_output_weights(config) else None
-            names: set[str] = set()
-            for task in _stage_tasks(self._mb, self.bridge.hf_pretrained, self.modules, self.weight_dtype):
-                names |= _task_hf_names(self._mb, task, tied)
-            prefixes = {p for p in map(_layer_prefix, names) if p is not None}
             pp_rank, pp_size = mpu.get_pipeline_model_parallel_rank(), mpu.get_pipeline_model_parallel_world_size()
+            names: set[str] = set()
+            prefixes: set[str] = set()
+            error: Exception | None = None
+            try:
+                names, prefixes = self._own_hf_names()
+            except Exception as exc:  # sent to the other stages below, then raised
+                error = exc
             others_names: set[str] = set()
             others_prefixes: set[str] = set()
             if exchange and pp_size > 1:
                 gathered: list[Any] = [None] * pp_size
-                torch.distributed.all_gather_object(
-                    gathered, (sorted(names), sorted(prefixes)), group=mpu.get_pipeline_model_parallel_group()
-                )
+                mine = (sorted(names), sorted(prefixes)) if error is None else f"{type(error).__name__}: {error}"
+                torch.distributed.all_gather_object(gathered, mine, group=mpu.get_pipeline_model_parallel_group())
+                failed = {rank: why for rank, why in enumerate(gathered) if isinstance(why, str)}
+                if failed:
+                    raise ExportError(
+                        "pipeline stage(s) could not list the HF tensors they export: "
+                        + "; ".join(f"stage {rank}: {why}" for rank, why in sorted(failed.items()))
+                    ) from error
                 for rank, (n, p) in enumerate(gathered):
                     if rank != pp_rank:
                         others_names.update(n)
                         others_prefixes.update(p)
+            elif error is not None:
+                raise error
             self._ownership = StageOwnership(
                 frozenset(names), frozenset(prefixes), pp_rank == 0, frozenset(others_names), frozenset(others_prefixes)
             )
         return self._ownership
+
+    def _own_hf_names(self) -> tuple[set[str], set[str]]:
+        """The HF names of this stage's conversion tasks and their layer prefixes (no collective)."""
+        from megatron.bridge.models.conversion.utils import unwrap_model
+
+        config = unwrap_model(self.modules)[0].config
+        tied = self._mb.mapping_registry() if self._mb._share_embeddings_and_output_weights(config) else None
+        names: set[str] = set()
+        for task in _stage_tasks(self._mb, self.bridge.hf_pretrained, self.modules, self.weight_dtype):
+            names |= _task_hf_names(self._mb, task, tied)
+        return names, {p for p in map(_layer_prefix, names) if p is not None}
 
     def export(self, *, cpu: bool = False) -> Iterator[HFTensor]:
         """This stage's `(global HF name, tensor)` stream; every rank of the stage must iterate it fully."""

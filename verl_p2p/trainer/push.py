@@ -7,6 +7,10 @@ are submitted. Targets whose replicas have equal keys hold byte-identical shards
 once and written to each. A parameter is loaded only once all its HF inputs arrived (never half-updated); one
 larger than a slot is loaded and written chunk by chunk. At the end every parameter of every target was
 written exactly once, or the push raises naming what is missing or which targets failed.
+
+What can be checked before the first write is (`check_push`): published names, sizes and ranges, and an
+FP8 export into a plan without FP8 inputs. What shows only while streaming is checked for each HF tensor
+before anything is loaded from it (`stream_checks.refusal`).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 
 from verl_p2p.errors import P2PError, UnsupportedLayoutError
 from verl_p2p.planning.targets import RemoteRankInfo, TargetRank
+from verl_p2p.trainer.stream_checks import StreamRefusedError, check_fp8_export, refusal
 from verl_p2p.transfer.buffers import ALIGN, Slot, TransferBuffers
 from verl_p2p.transfer.writer import TargetFailure, WriteEntry, Writer, push_error
 
@@ -263,8 +268,11 @@ class _Pusher:
                 self.metrics.bytes_per_target[target] = self.metrics.bytes_per_target.get(target, 0) + n
         self.entries, self.unsent = [], 0
 
-    def finish(self) -> None:
-        self.flush()
+    def finish(self, flush: bool = True) -> None:
+        """Submit what is loaded (unless `flush` is False: a refused push), then wait for every write."""
+        if flush:
+            self.flush()
+        self.entries, self.unsent = [], 0
         t0 = time.perf_counter()
         self._record(self.buffers.drain())
         self.metrics.seconds_write_wait += time.perf_counter() - t0
@@ -297,24 +305,18 @@ def group_targets(targets: Sequence[PushTarget], share: StageShare | None = None
     return [_Group(ts[0].replica, ts, share) for ts in by_key.values()]
 
 
-def push(
-    hf_stream: Iterable[tuple[str, torch.Tensor]],
+def check_push(
     targets: Sequence[PushTarget],
-    buffers: TransferBuffers,
     writer: Writer,
-    flush_bytes: int | None = None,
-    load_threads: int | None = 1,
     share: StageShare | None = None,
-) -> PushMetrics:
-    """Write this source's bytes to every target; raises RemoteMismatchError before any write when a target's
-    published weights differ, IncompletePushError when the stream lacked inputs, TransferError when a
-    target's write failed or timed out (writes to the other targets still complete). Loaded bytes are
-    submitted in pieces of `flush_bytes` (default: an eighth of a slot). `load_threads` caps torch's
-    intra-op threads during the replica's loads on CPU: its copies are memory-bound, and OpenMP's barriers
-    stall badly when the transport's threads hold the cores (measured: 0.1 vs 7 GB/s on a busy 2-core host);
-    None leaves torch's setting alone. GPU copies are unaffected. `share` restricts the push to this PP stage's
-    part of every target (None: the source holds the whole model)."""
-    t_start = time.perf_counter()
+    *,
+    streams_fp8: bool = False,
+) -> list[_Group]:
+    """Everything checkable before the first write; raises (nothing written) or returns the push's groups.
+
+    RemoteMismatchError when a target's published weights differ from what would be written (names, sizes,
+    overlapping ranges: `Writer.validate`); StreamRefusedError when the export streams FP8 weights
+    (`streams_fp8`) while no target's plan takes an FP8 input (they would be written without their scales)."""
     for t in targets:
         known = writer.targets.get(t.target)
         if known is None or known.session_id != t.remote.session_id:
@@ -323,12 +325,52 @@ def push(
             )
     groups = group_targets(targets, share)
     writer.validate(expected_params(groups))
+    if streams_fp8:
+        for g in groups:
+            check_fp8_export(_planned_specs([g]), [n for p in g.params.values() for n in p.feeds], g.describe())
+    return groups
+
+
+def _planned_specs(groups: Sequence[_Group]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """HF name -> (shape, dtype) the groups' write plans were built from (the checkpoint's tensors)."""
+    specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    for g in groups:
+        specs.update(getattr(g.replica.plan, "hf_specs", None) or {})
+    return specs
+
+
+def push(
+    hf_stream: Iterable[tuple[str, torch.Tensor]],
+    targets: Sequence[PushTarget],
+    buffers: TransferBuffers,
+    writer: Writer,
+    flush_bytes: int | None = None,
+    load_threads: int | None = 1,
+    share: StageShare | None = None,
+    checked: Sequence[_Group] | None = None,
+    allowed_unused: Sequence[str] = (),
+) -> PushMetrics:
+    """Write this source's bytes to every target; raises RemoteMismatchError before any write when a target's
+    published weights differ, StreamRefusedError before loading a streamed tensor the rollout cannot take,
+    IncompletePushError when the stream lacked inputs, TransferError when a
+    target's write failed or timed out (writes to the other targets still complete). Loaded bytes are
+    submitted in pieces of `flush_bytes` (default: an eighth of a slot). `load_threads` caps torch's
+    intra-op threads during the replica's loads on CPU: its copies are memory-bound, and OpenMP's barriers
+    stall badly when the transport's threads hold the cores (measured: 0.1 vs 7 GB/s on a busy 2-core host);
+    None leaves torch's setting alone. GPU copies are unaffected. `share` restricts the push to this PP stage's
+    part of every target (None: the source holds the whole model). `checked`: the groups `check_push` returned
+    (it runs here when None). `allowed_unused`: fnmatch patterns of HF names no rollout parameter takes that
+    may be streamed (dropped)."""
+    t_start = time.perf_counter()
+    groups = list(checked) if checked is not None else check_push(targets, writer, share)
+    planned = _planned_specs(groups)
     metrics = PushMetrics(bytes_per_target={t.target: 0 for t in targets})
     writer.reset_failures()
     buffers.begin()
     metrics.slot_bytes = buffers.slot_bytes_total
     pusher = _Pusher(buffers, writer, metrics, flush_bytes or max(ALIGN, buffers.slot_bytes // 8), load_threads)
     stream = iter(hf_stream)
+    refused: str | None = None
     try:
         for group in groups:
             for param in group.without_feeds():
@@ -341,6 +383,12 @@ def push(
             if item is None:
                 break
             hf_name, tensor = item
+            if planned:
+                refused = refusal(planned, hf_name, tensor, allowed_unused)
+                if refused is not None:
+                    break
+                if hf_name not in planned:  # allowed and taken by nobody: dropped
+                    continue
             pusher.track(tensor)
             ready = [(g, p) for g in groups for p in g.stager.offer(hf_name, tensor) if p in g.params]
             metrics.seconds_stage += time.perf_counter() - t1
@@ -348,8 +396,19 @@ def push(
             for group, param in ready:
                 pusher.add(group, param)
     finally:
-        pusher.finish()
+        pusher.finish(flush=refused is None)
         metrics.seconds_total = time.perf_counter() - t_start
+    if refused is not None:
+        unknown = [t for t in sorted(metrics.bytes_per_target) if metrics.bytes_per_target[t] > 0]
+        if unknown:
+            shown = ", ".join(map(str, unknown[:16])) + (" ..." if len(unknown) > 16 else "")
+            where = (
+                f"; it was refused before anything was loaded from it, but earlier tensors were already written, "
+                f"so the bytes of these targets are now unknown (the next sync must rewrite them): {shown}"
+            )
+        else:
+            where = "; it was refused before anything was loaded from it and nothing was written"
+        raise StreamRefusedError(refused + where)
     if pusher.failures:
         raise push_error(pusher.failures[t] for t in sorted(pusher.failures))
     _check_complete(groups)

@@ -4,17 +4,30 @@ A stage's export runs TP/EP gathers, which are collectives over ranks of that st
 few of them as senders (there may be fewer rollout targets than trainer ranks), but every rank of the stage
 must still run the export to the end, or the senders' gathers wait forever. `drive_export` does exactly that:
 senders get the stream, the others drain it.
+
+The same holds when something goes wrong. A rank that finds a problem before exporting (a plan it cannot
+apply, a target whose published weights disagree) must not simply raise: its peers would enter the export
+and wait in a gather for it. So every rank of the export group first agrees on go/no-go (`agree_to_export`:
+one small all_gather over a gloo group of exactly the ranks whose collectives the export runs); when any rank
+says no, every rank raises `ExportAbortedError` naming each failed rank and its cause, and none exports. A
+rank that fails while streaming keeps draining the export to its end (`drain`), so its peers' collectives
+still match, and raises afterwards.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+import logging
+import threading
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from verl_p2p.errors import P2PError
 from verl_p2p.planning.plan import SourceRank, TransferPlan
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -82,3 +95,82 @@ def drive_export(stage: ExportStage, stream: Iterable[tuple[str, torch.Tensor]])
         return
     for _name, _tensor in stream:
         pass
+
+
+# ---- go/no-go --------------------------------------------------------------------------------------------------
+
+
+class ExportAbortedError(P2PError):
+    """A rank of the export group could not export or write: no rank of the group entered the export.
+
+    `failures`: `{trainer rank: "ErrorType: message"}` of every rank that said no; raised on every rank of the
+    group alike (chained from the local error on the ranks that failed).
+    """
+
+    def __init__(self, group: Sequence[int], failures: Mapping[int, str]):
+        self.group = tuple(group)
+        self.failures = dict(failures)
+        causes = "\n  ".join(f"trainer rank {rank}: {why}" for rank, why in sorted(self.failures.items()))
+        super().__init__(
+            f"p2p export aborted before any of trainer ranks {list(self.group)} exported or wrote a byte: "
+            f"{len(self.failures)} rank(s) refused:\n  {causes}"
+        )
+
+
+_groups: dict[tuple[int, ...], Any] = {}
+_groups_lock = threading.Lock()
+
+
+def export_group(ranks: Sequence[int] | None) -> Any:
+    """The gloo group the go/no-go runs on: `ranks` (a stage), or every rank (None: the full export crosses
+    stages). Made once per rank set; only its members take part in making it (local synchronisation)."""
+    import torch.distributed as dist
+
+    key = tuple(sorted(ranks)) if ranks is not None else ()
+    with _groups_lock:
+        if key not in _groups:
+            if ranks is None:
+                _groups[key] = dist.new_group(backend="gloo")
+            else:
+                _groups[key] = dist.new_group(ranks=list(key), backend="gloo", use_local_synchronization=True)
+        return _groups[key]
+
+
+def describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+def agree_to_export(rank: int, ranks: Sequence[int] | None, error: BaseException | None) -> None:
+    """Go/no-go over the export group: return when every rank is ready; otherwise raise ExportAbortedError on
+    every rank, naming each rank that failed and why (chained from `error` on a rank that failed itself).
+
+    `ranks`: the export group (this rank's stage for a stage-local export; None for every rank). Every rank of
+    the group must call it once per sync, before its first export collective.
+    """
+    import torch.distributed as dist
+
+    mine = (rank, None if error is None else describe(error))
+    if not (dist.is_available() and dist.is_initialized()):
+        alone = True
+    else:
+        alone = len(set(ranks)) <= 1 if ranks is not None else dist.get_world_size() == 1
+    if alone:
+        verdicts: list[Any] = [mine]
+    else:
+        group = export_group(ranks)
+        verdicts = [None] * dist.get_world_size(group)
+        dist.all_gather_object(verdicts, mine, group=group)
+    failures = {r: why for r, why in verdicts if why is not None}
+    if failures:
+        raise ExportAbortedError(sorted(r for r, _ in verdicts), failures) from error
+
+
+def drain(stream: Iterable[Any], error: BaseException) -> None:
+    """After `error` stopped this rank's push mid-stream: run the export to its end so the peers' collectives
+    match. A failure of the export itself is noted on `error` (which the caller raises)."""
+    try:
+        for _ in stream:
+            pass
+    except Exception as exc:  # noqa: BLE001 - the first error is the one to report
+        logger.warning("p2p: the export failed while draining it after %s: %s", describe(error), describe(exc))
+        error.add_note(f"while draining the export afterwards: {describe(exc)}")

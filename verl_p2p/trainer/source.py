@@ -48,7 +48,7 @@ class SourceSession:
         if owner is None:  # the engine was not built inside a verl worker method: find the worker holding it
             owner = find_owning_worker(checkpoint_engine)
         if config.transport != "mooncake":
-            raise P2PError(f"engine_kwargs.p2p.transport={config.transport!r} is not wired yet; use 'mooncake'")
+            raise P2PError(f"engine_kwargs.verl_p2p.transport={config.transport!r} is not wired yet; use 'mooncake'")
         self.config = config
         self.hostname = hostname
         self.engine = find_megatron_engine(owner)
@@ -64,11 +64,17 @@ class SourceSession:
         self.targets: list[Any] = []
         self.stage = None
         self.share = None
+        self.apply_error: Exception | None = None
 
     # ---- per generation ------------------------------------------------------------------------------------
 
     def apply(self, assignment: Assignment) -> None:
-        """Take plan `assignment.generation`: build replicas for new layouts and a writer for these targets."""
+        """Take plan `assignment.generation`: build replicas for new layouts and a writer for these targets.
+
+        A local failure (a layout the replica cannot reproduce, a rollout it must refuse) does not raise here:
+        the peers of this rank's export group may already be on their way into the export. It is kept as
+        `apply_error` and reported by the next `push` through the group's go/no-go, on every rank of the group.
+        """
         from verl_p2p.trainer.push import PushTarget
         from verl_p2p.trainer.senders import ExportStage
         from verl_p2p.transfer.writer import Writer
@@ -80,13 +86,28 @@ class SourceSession:
             ranks=assignment.stage_ranks,
             senders=assignment.stage_senders,
         )
-        if assignment.targets:
-            self._open_transport()
+        self.apply_error = None
         targets = []
-        for target in assignment.targets:
-            server_info = assignment.server_infos[target.engine]
-            replica = self._executor(self._replica(server_info, assignment.layouts[target]))
-            targets.append(PushTarget(target, replica, assignment.rank_infos[target]))
+        try:
+            for target in assignment.targets:  # refusals first: nothing is allocated for a plan that cannot run
+                if target.engine in assignment.sessionless_engines:
+                    self._refuse_without_sessions(
+                        target, assignment.server_infos[target.engine], assignment.layouts[target]
+                    )
+            if assignment.targets:
+                self._open_transport()
+            for target in assignment.targets:
+                replica = self._replica(assignment.server_infos[target.engine], assignment.layouts[target])
+                targets.append(PushTarget(target, self._executor(replica), assignment.rank_infos[target]))
+        except Exception as exc:  # reported at push, by the go/no-go (see the docstring)
+            self.apply_error, targets = exc, []
+            logger.error(
+                "p2p trainer rank %d cannot take plan generation %d: %s: %s",
+                assignment.rank,
+                assignment.generation,
+                type(exc).__name__,
+                exc,
+            )
         if self.config.verify_first_push:
             for executor in {id(t.replica): t.replica for t in targets}.values():
                 if hasattr(executor, "verify_next_push"):
@@ -104,7 +125,22 @@ class SourceSession:
             else None
         )
         self.targets, self.assignment = targets, assignment
-        self.share = self._stage_share(assignment)
+        try:
+            self.share = self._stage_share(assignment)  # a collective over the PP group: every rank reaches it
+        except Exception as exc:
+            self.share = None
+            self.apply_error = self.apply_error or exc
+
+    def _refuse_without_sessions(self, target: Any, server_info: Any, layout: Any) -> None:
+        """A rollout without weight-update sessions never runs SGLang's post-load processing after our writes:
+        refuse a model that needs it (its derived weights would keep the old values)."""
+        try:
+            from verl_p2p.replica.model_class import post_load_hook, refuse_without_sessions
+        except ImportError as exc:
+            raise _NO_SGLANG(exc) from exc
+        hook = post_load_hook(self.engine.model_config.hf_config, server_info, layout)
+        if hook is not None:
+            refuse_without_sessions(hook, target.engine, server_info)
 
     def _stage_share(self, assignment: Assignment) -> Any:
         """With PP > 1, the part of every rollout rank this stage writes (the HF names it exports). Every rank
@@ -180,17 +216,56 @@ class SourceSession:
         return drive_export(self.stage, export_engine_stage(self.exporter, self.engine))
 
     def push(self) -> Any:
-        """Export this stage and write it (sender) or run the export's collectives only (idle); PushMetrics or None."""
+        """Export this stage and write it (sender) or run the export's collectives only (idle); PushMetrics or None.
+
+        Go/no-go first: this rank's plan problems and every check possible before a byte moves (published
+        sizes, ranges, dtypes) are agreed over the export group, so one rank's refusal makes every rank of
+        the group raise instead of leaving them in the export's gathers. A failure while streaming drains the
+        export to its end (the peers' collectives still match) before it is raised.
+        """
         if self.assignment is None:
             raise P2PError("p2p trainer source has no plan yet: init_process_group must run before send_weights")
-        stream = self.stream()
-        if not self.targets:
-            for _ in stream:  # drive_export drains for non-senders: nothing comes out
-                pass
-            return None
-        from verl_p2p.trainer.push import push
+        from verl_p2p.trainer.senders import agree_to_export, drain
 
-        return push(stream, self.targets, self.buffers, self.writer, share=self.share)
+        error, checked = self.apply_error, None
+        if error is None and self.targets:
+            try:
+                checked = self._check()
+            except Exception as exc:  # agreed below: every rank of the group raises it
+                error = exc
+        agree_to_export(self.assignment.rank, self.export_ranks(), error)
+        stream = self.stream()
+        try:
+            if not self.targets:
+                for _ in stream:  # drive_export drains for non-senders: nothing comes out
+                    pass
+                return None
+            from verl_p2p.trainer.push import push
+
+            return push(
+                stream,
+                self.targets,
+                self.buffers,
+                self.writer,
+                share=self.share,
+                checked=checked,
+                allowed_unused=self.config.unused_hf_tensors_allowed,
+            )
+        except Exception as exc:
+            drain(stream, exc)
+            raise
+
+    def export_ranks(self) -> tuple[int, ...] | None:
+        """The ranks this rank's export runs collectives with: its stage (PP-local), or every rank (None: the
+        fallback's full export crosses stages)."""
+        return self.stage.ranks if getattr(self.exporter, "mode", None) == "pp_local" else None
+
+    def _check(self) -> Any:
+        """Everything checkable before the first write (see trainer.push.check_push); raises, writes nothing."""
+        from verl_p2p.trainer.push import check_push
+
+        fp8 = getattr(getattr(self.exporter, "bridge", None), "export_weight_dtype", None) == "fp8"
+        return check_push(self.targets, self.writer, self.share, streams_fp8=fp8)
 
     def close(self) -> None:
         if self.writer is not None:

@@ -1,4 +1,4 @@
-"""NIXL transport seam (optional; `engine_kwargs.p2p.transport=nixl`).
+"""NIXL transport seam (optional; `engine_kwargs.verl_p2p.transport=nixl`).
 
 Not available in this build. Two things are missing, not just the package: SGLang's rollout ranks publish
 Mooncake session ids and register their weights with Mooncake only, so a NIXL writer would also need a
@@ -29,11 +29,11 @@ class NixlTransport:
         if not nixl_importable():
             raise TransferError(
                 "NIXL transport unavailable here: install nixl (`pip install nixl`, CUDA hosts), and note the "
-                "rollout side must run NIXL agents too; use engine_kwargs.p2p.transport=mooncake (the default)"
+                "rollout side must run NIXL agents too; use engine_kwargs.verl_p2p.transport=mooncake (the default)"
             )
         raise TransferError(
             "NIXL transport unavailable here: the nixl package is importable, but SGLang rollout ranks publish "
-            "Mooncake sessions only and this build has no NIXL writer; use engine_kwargs.p2p.transport=mooncake"
+            "Mooncake sessions only and this build has no NIXL writer; use engine_kwargs.verl_p2p.transport=mooncake"
         )
 
     @property

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from verl_p2p.errors import RemoteMismatchError, TransferError
-from verl_p2p.planning.targets import RemoteRankInfo, TargetRank
+from verl_p2p.planning.targets import RemoteParam, RemoteRankInfo, TargetRank, overlapping
 from verl_p2p.transfer.base import Transport
 
 logger = logging.getLogger(__name__)
@@ -160,8 +160,10 @@ class Writer:
     # ------------------------------------------------------------------ validation
     def validate(self, expected: Mapping[TargetRank, Mapping[str, tuple[int, int]]]) -> None:
         """Raise RemoteMismatchError unless every param the trainer will write is published by its target with
-        the same numel and element size. Call before any write: nothing is written when it raises."""
-        problems: list[str] = []
+        the same numel and element size, and every published range is a real one that overlaps no other (within
+        a rank, or across ranks that publish the same session). Call before any write: nothing is written when
+        it raises."""
+        problems: list[str] = self._range_problems(sorted(expected))
         for target in sorted(expected):
             info = self.targets.get(target)
             if info is None:
@@ -190,6 +192,29 @@ class Writer:
                 f"{len(problems)} mismatch(es) between trainer and rollout weights; nothing was written:\n  {shown}\n"
                 f"Likely fix: {_MISMATCH_FIX}"
             )
+
+    def _range_problems(self, targets: list[TargetRank]) -> list[str]:
+        """Published ranges that cannot be real: impossible entries, and overlaps inside one session's memory
+        (one rank's params, or ranks publishing the same session: a write to one would land in another)."""
+        problems: list[str] = []
+        by_session: dict[str, list[tuple[str, RemoteParam]]] = {}
+        for target in targets:
+            info = self.targets.get(target)
+            if info is None:
+                continue
+            where = f"engine {target.engine} rank {target.rank} (session {info.session_id})"
+            for name, param in info.params.items():
+                problem = param.problem()
+                if problem is not None:
+                    problems.append(f"{where}: param {name!r}: {problem}")
+                else:
+                    by_session.setdefault(info.session_id, []).append((f"{target}: {name}", param))
+        for session_id, params in by_session.items():
+            overlaps = overlapping(params)
+            if overlaps:
+                more = f" (and {len(overlaps) - 1} more)" if len(overlaps) > 1 else ""
+                problems.append(f"session {session_id}: published ranges overlap: {overlaps[0]}{more}")
+        return problems
 
     # ------------------------------------------------------------------ writes
     def reset_failures(self) -> None:

@@ -1,0 +1,52 @@
+"""Which SGLang model class a rollout rank runs, and whether SGLang post-processes its weights after loading.
+
+Some model classes derive weights from the loaded ones once loading is done (`post_load_weights`: MLA models
+such as DeepSeek-V2/V3 split `kv_b_proj` into the absorbed `w_kc`/`w_vc`, others requantize or fuse). SGLang
+runs that step after its own loads, and after p2p's one-sided writes only when the weight-update session
+ends (`/end_weight_update`, SGLang >= 0.5.22). A rollout without sessions would keep serving the derived
+weights of the old model, so such a pairing is refused (`refuse_without_sessions`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from verl_p2p.errors import UnsupportedLayoutError
+from verl_p2p.planning.layout import RankLayout
+from verl_p2p.replica.rank_context import RankContext
+
+POST_LOAD = "post_load_weights"  # what SGLang's loader calls on the model after loading (hasattr check)
+SESSIONS_SINCE = "0.5.22"
+
+
+class PostLoadWithoutSessionsError(UnsupportedLayoutError):
+    """The rollout has no weight-update sessions, and its model needs post-load processing after every update."""
+
+
+def model_class(hf_config: Any, server_args: Mapping[str, Any], layout: RankLayout) -> type:
+    """The SGLang model class rollout rank `layout.tp_rank` runs (SGLang's own architecture resolution)."""
+    from sglang.srt.model_loader.utils import get_model_architecture
+
+    ctx = RankContext(server_args, layout, hf_config)
+    with ctx:
+        cls, _ = get_model_architecture(ctx.model_config)
+    return cls
+
+
+def post_load_hook(hf_config: Any, server_args: Mapping[str, Any], layout: RankLayout) -> str | None:
+    """`Class.post_load_weights` when SGLang post-processes this model's weights after loading, else None."""
+    cls = model_class(hf_config, server_args, layout)
+    return f"{cls.__name__}.{POST_LOAD}" if hasattr(cls, POST_LOAD) else None
+
+
+def refuse_without_sessions(hook: str, engine: int, server_info: Mapping[str, Any]) -> None:
+    """Raise PostLoadWithoutSessionsError for `hook` on rollout `engine` (whose server has no sessions)."""
+    version = server_info.get("version") or "?"
+    raise PostLoadWithoutSessionsError(
+        f"rollout engine {engine} runs SGLang {version} without weight-update sessions (/begin_weight_update "
+        f"answered 404), so SGLang never calls {hook}() after p2p writes its weights: the weights that model "
+        "derives after loading (MLA's absorbed projections and similar) would keep the old values while the rest "
+        f"is new; nothing was written. Fix: run the rollout on SGLang >= {SESSIONS_SINCE} (its weight-update "
+        "session runs post-load processing when the sync ends), or use verl's own weight sync for this model"
+    )

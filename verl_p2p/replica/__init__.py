@@ -13,7 +13,7 @@ from verl_p2p.replica.plan import (
     check_hf_coverage,
 )
 from verl_p2p.replica.rank_context import (
-    SUPPORTED_SGLANG_VERSIONS,
+    TESTED_SGLANG_RANGE,
     RankContext,
     UnsupportedSGLangVersionError,
     rank_context,
@@ -21,7 +21,7 @@ from verl_p2p.replica.rank_context import (
 from verl_p2p.replica.stream import CompletenessStager, RankReplica, ReplicaLoadError
 
 __all__ = [
-    "SUPPORTED_SGLANG_VERSIONS",
+    "TESTED_SGLANG_RANGE",
     "CompletenessStager",
     "ParamPlan",
     "RankContext",

@@ -6,12 +6,18 @@ and the expert-location map. A `RankContext` prepares all of that for one rank o
 it while entered, so SGLang builds and loads exactly the shard that rank holds. The group objects are
 stand-ins (`StandInGroup`): they answer every question about membership and refuse communication.
 
-SGLang 0.5.12 keeps this state in module globals; 0.5.23 keeps it in a per-context `RuntimeContext`. One
-adapter per version; neither is thread-safe, so every entry takes one module lock (re-entrant).
+Where that state lives depends on the release, and the adapter is chosen by what the installed SGLang offers
+(`RankStateFeatures`), not by its version string: releases without `sglang.srt.runtime_context` keep it in
+module globals (`_GlobalsAdapter`: 0.5.12, 0.5.13); releases whose runtime context places ranks itself
+(`SpawnRanks`, `ParallelContext.override_permanently`) get one context per rank (`_RuntimeContextAdapter`:
+0.5.21 on, through `create_context`/`use_context` where they exist, else a fresh context swapped in around
+`publish`). Releases outside `TESTED_SGLANG_RANGE` are refused with the range. Neither adapter is
+thread-safe, so every entry takes one module lock (re-entrant).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import dis
@@ -31,8 +37,9 @@ from verl_p2p.planning.layout import RankLayout, check_reproducible, layout_from
 
 _LOCK = threading.RLock()
 
-# Tested SGLang releases and the adapter that reproduces their rank state.
-SUPPORTED_SGLANG_VERSIONS = {"0.5.12": "module_globals", "0.5.23": "runtime_context"}
+# The SGLang releases the replica supports, both ends included (the `sglang` extra of pyproject.toml says the
+# same). CI runs the replica-exact matrix on 0.5.12, 0.5.21 and 0.5.23 (tests/test_replica_exact.py).
+TESTED_SGLANG_RANGE = ("0.5.12", "0.5.23")
 
 # Server-args fields that name one engine instance (ports, hosts, paths, logs), not the bytes it holds.
 INSTANCE_FIELDS = frozenset(
@@ -158,15 +165,72 @@ def base_version(version: str) -> str:
     return ".".join(re.split(r"[+]", str(version))[0].split(".")[:3])
 
 
-def _adapter_kind(version: str) -> str:
-    kind = SUPPORTED_SGLANG_VERSIONS.get(base_version(version))
-    if kind is None:
+def _release(version: str) -> tuple[int, ...] | None:
+    match = re.match(r"^\s*(\d+)\.(\d+)\.(\d+)", str(version))
+    return tuple(int(x) for x in match.groups()) if match else None
+
+
+def check_tested_range(version: str) -> None:
+    """Refuse an SGLang release outside TESTED_SGLANG_RANGE, naming the range and the fix."""
+    low, high = TESTED_SGLANG_RANGE
+    release = _release(version)
+    if release is None or not _release(low) <= release <= _release(high):
         raise UnsupportedSGLangVersionError(
-            f"SGLang {version} is not supported by the p2p replica (supported: "
-            f"{', '.join(SUPPORTED_SGLANG_VERSIONS)}); install one of those on the trainer, or add and test an "
-            "adapter in verl_p2p/replica/rank_context.py"
+            f"SGLang {version} is outside the range the p2p replica supports and is tested on ({low} .. {high}); "
+            f"install a release in that range on the trainer (pip install 'sglang>={low},<={high}'), the same "
+            "release the rollout servers run"
         )
-    return kind
+
+
+@dataclasses.dataclass(frozen=True)
+class RankStateFeatures:
+    """Where the installed SGLang keeps the state that makes a process "rank r" (found by inspection)."""
+
+    runtime_context: bool  # sglang.srt.runtime_context exists (else: module globals only)
+    context_placement: bool  # publish(..., ranks=SpawnRanks) places the ranks, override_permanently stamps groups
+    model_contexts: bool  # create_context + use_context (else: publish into a fresh context swapped in)
+    record_fields: bool  # ServerArgs fields via arg_groups.arg_utils.record_fields (else dataclasses.fields)
+
+    @classmethod
+    def detect(cls) -> RankStateFeatures:
+        import importlib.util
+        import inspect
+
+        if importlib.util.find_spec("sglang.srt.runtime_context") is None:
+            return cls(False, False, False, False)
+        import sglang.srt.runtime_context as rc
+
+        publish = getattr(rc, "publish", None)
+        placement = (
+            hasattr(rc, "SpawnRanks")
+            and hasattr(getattr(rc, "ParallelContext", None), "override_permanently")
+            and publish is not None
+            and "ranks" in inspect.signature(publish).parameters
+        )
+        return cls(
+            runtime_context=True,
+            context_placement=placement,
+            model_contexts=hasattr(rc, "create_context") and hasattr(rc, "use_context"),
+            record_fields=importlib.util.find_spec("sglang.srt.arg_groups.arg_utils") is not None,
+        )
+
+    def adapter_kind(self, version: str) -> str:
+        if not self.runtime_context:
+            return "module_globals"
+        if self.context_placement and self.record_fields:
+            return "runtime_context"
+        needed = (("SpawnRanks placement", self.context_placement), ("record_fields", self.record_fields))
+        missing = [name for name, present in needed if not present]
+        raise UnsupportedSGLangVersionError(
+            f"SGLang {version} keeps rank state partly in sglang.srt.runtime_context but lacks {', '.join(missing)}; "
+            "the p2p replica reproduces releases that keep it all in module globals or all in the runtime "
+            f"context; install such a release (tested: {' .. '.join(TESTED_SGLANG_RANGE)})"
+        )
+
+
+def _adapter_kind(version: str) -> str:
+    check_tested_range(version)
+    return RankStateFeatures.detect().adapter_kind(version)
 
 
 def hf_config_dict(hf_config: Any) -> dict:
@@ -426,10 +490,36 @@ class _GlobalsAdapter:
         self.state.deactivate()
 
 
+@contextlib.contextmanager
+def _swapped_in(rc, context):
+    """Make `context` the process's runtime context while inside (what `use_context` does where it exists)."""
+    previous = rc._CONTEXT, rc._PARALLEL
+    rc._CONTEXT, rc._PARALLEL = context, context.parallel
+    try:
+        yield context
+    finally:
+        rc._CONTEXT, rc._PARALLEL = previous
+
+
+def _new_rank_context(rc, record, ranks):
+    """A runtime context of its own for one rank, and the function that activates it.
+
+    Releases with `create_context`/`use_context` (0.5.22 on) build one directly. Before that (0.5.21),
+    `publish` configures the process-wide context in place, so it gets a fresh one swapped in to configure.
+    """
+    if hasattr(rc, "create_context") and hasattr(rc, "use_context"):
+        return rc.create_context(record, role="scheduler", ranks=ranks), rc.use_context
+    context = rc.RuntimeContext(parallel=rc.ParallelContext())
+    with _swapped_in(rc, context):
+        rc.publish(record, role="scheduler", ranks=ranks)
+    return context, lambda c: _swapped_in(rc, c)
+
+
 class _RuntimeContextAdapter:
-    """SGLang 0.5.23: one `RuntimeContext` per rank (create_context), groups stamped on its parallel state."""
+    """SGLang 0.5.21 on: one `RuntimeContext` per rank, groups stamped on its parallel state."""
 
     def __init__(self, ctx: RankContext):
+        import sglang.srt.runtime_context as rc
         from sglang.srt.arg_groups.arg_utils import record_fields
         from sglang.srt.configs.model_config import ModelConfig
         from sglang.srt.eplb.expert_location import (
@@ -438,17 +528,18 @@ class _RuntimeContextAdapter:
         )
         from sglang.srt.layers.dp_attention import init_dp_gathered_buffer, initialize_dp_attention
         from sglang.srt.layers.moe import initialize_moe_config
-        from sglang.srt.runtime_context import SpawnRanks, create_context, get_device, get_parallel, use_context
+        from sglang.srt.runtime_context import SpawnRanks, get_device, get_parallel
         from sglang.srt.server_args import ServerArgs
 
         layout = ctx.layout
         names = {f.name for f in record_fields(ServerArgs)}
         self.fields_used = _sglang_field_values(ctx.server_args_in, names)
-        # Raw input, as the CLI would give it (nested configs as dicts); create_context resolves it.
+        # Raw input, as the CLI would give it (nested configs as dicts); the context resolves it.
         record = ServerArgs(**_with_config_dir(self.fields_used, names, ctx.config_dir))
         self.server_args = record
-        self._use_context = use_context
-        self.context = create_context(record, role="scheduler", ranks=SpawnRanks(world_rank=layout.tp_rank))
+        with _LOCK:
+            self.context, self._use_context = _new_rank_context(rc, record, SpawnRanks(world_rank=layout.tp_rank))
+        use_context = self._use_context
         groups = stand_in_groups(layout)
         stamped = {f"{name}_group": g for name, g in groups.items()}
         with use_context(self.context):

@@ -300,7 +300,7 @@ class SGLangClient:
         return await self._json("POST", "/flush_cache", timeout=timeout)
 
     async def begin_weight_update(self, selector: str = "all", timeout: float | None = None) -> bool:
-        """Open a weight-update session; False when the server predates sessions (404, SGLang < 0.5.22)."""
+        """Open a weight-update session; False when the server predates sessions (404, SGLang < 0.5.21)."""
         return await self._session_call("/begin_weight_update", {"selector": selector}, timeout)
 
     async def end_weight_update(self, timeout: float | None = None) -> bool:
@@ -318,7 +318,7 @@ class SGLangClient:
             self.sessions_supported = False
             self._warn_once(
                 "sessions",
-                f"SGLang at {self.url} has no {route} (it predates weight-update sessions, added in 0.5.22): "
+                f"SGLang at {self.url} has no {route} (it predates weight-update sessions, added in 0.5.21): "
                 "continuing without sessions; post-load processing (quantization finalisation, "
                 "post_load_weights) will NOT run after weight updates on this server",
             )

@@ -3,7 +3,7 @@
 # releases of the replica matrix in .venv/sglang-<version> (each put first on sys.path by the replica tests).
 #
 # Installer: uv (installed into the venv with pip; resolves and installs the same pinned stack several times
-# faster than pip, docs/setup-timings.md). VERL_P2P_INSTALLER=pip uses pip for everything.
+# faster than pip; README has the measured times). VERL_P2P_INSTALLER=pip uses pip for everything.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"

@@ -1,7 +1,7 @@
 """FakeSGLang: a STAND-IN for one SGLang engine's control plane and bootstrap server (tests only).
 
 Real HTTP on 127.0.0.1 (stdlib ThreadingHTTPServer, keep-alive), SGLang's routes and answer shapes
-(PROTOCOL.md sections 2-3), and a lifecycle state machine that refuses out-of-order calls with 400 the way a
+(docs/protocol.md sections 2-3), and a lifecycle state machine that refuses out-of-order calls with 400 the way a
 strict SGLang would. It holds no model: `write()` stands for the trainer's push, and `compare` passes only
 when a push landed after `reset_tensors`. It will give way to verl_p2p/loopback (real model, real Mooncake)
 for end-to-end tests.

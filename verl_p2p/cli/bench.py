@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from verl_p2p.cli.quiet import run_quietly
 from verl_p2p.planning.targets import TargetRank
 from verl_p2p.transfer.writer import WriteEntry, Writer
 
@@ -343,7 +344,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--protocol", default="tcp", choices=("tcp", "rdma"))
     parser.add_argument("--hostname", default="127.0.0.1")
     parser.add_argument("--no-verify", action="store_true", help="skip the receiver byte check")
+    parser.add_argument("-v", "--verbose", action="store_true", help="show third-party output instead of logging it")
     args = parser.parse_args(argv)
+    return run_quietly("bench", args.verbose, lambda: _main(args))
+
+
+def _main(args: argparse.Namespace) -> int:
     shape = BenchShape(num_hidden_layers=args.layers, num_experts=args.experts)
     run_bench(
         out_path=args.out,

@@ -1,6 +1,6 @@
 """A rollout rank's parallel layout, derived from its SGLang server args (no upstream endpoint publishes it).
 
-Pure: no I/O. PROTOCOL.md section 5 gives the arithmetic; a published layout (some SGLang forks serve one)
+Pure: no I/O. docs/protocol.md section 6 gives the arithmetic; a published layout (some SGLang forks serve one)
 is preferred and must agree with the derived one.
 """
 

@@ -1,6 +1,6 @@
 """Async client of one SGLang server (control plane) and its engine-info bootstrap server.
 
-The wire contract is PROTOCOL.md sections 2-3. Calls use aiohttp on the running loop (keep-alive
+The wire contract is docs/protocol.md sections 2-3. Calls use aiohttp on the running loop (keep-alive
 connections, no thread hops, no blocking I/O on the loop). An aiohttp session is bound to the loop it was made
 on, and verl drives the lifecycle from `asyncio.run` in some trainer modes (a fresh loop per call) and from a
 long-lived loop in others, so a client keeps one session per running loop, made on first use and closed when

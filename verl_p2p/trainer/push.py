@@ -1,5 +1,5 @@
-"""The trainer source's data plane (DESIGN.md section 1): HF stream -> stager -> replica.load into a transfer
-slot -> writer sends the slot to every target holding those bytes, while the next slot fills.
+"""The trainer source's data plane: HF stream -> stager -> replica.load into a transfer slot -> writer sends the
+slot to every target holding those bytes, while the next slot fills (docs/architecture.md, "The path of one byte").
 
 Targets whose replicas have equal keys hold byte-identical shards, so those bytes are loaded once and
 written to each. A parameter is loaded only once all its HF inputs arrived (never half-updated); one

@@ -291,9 +291,8 @@ def test_sglang_release_outside_the_range_is_refused_naming_it(monkeypatch, vers
 
 
 def test_rank_state_is_chosen_by_features_not_by_the_version_string(monkeypatch):
-    """The installed SGLang (0.5.12) has no runtime context: whatever in-range version it claims, the replica
-    uses the module-globals adapter; a release with a runtime context that does not place ranks is refused
-    naming what is missing."""
+    """The installed SGLang decides the adapter by what it offers, whatever in-range version it claims; a
+    release whose runtime context places ranks but lacks record_fields is refused naming what is missing."""
     import sglang
 
     from verl_p2p.planning.layout import layout_from_server_args
@@ -301,13 +300,18 @@ def test_rank_state_is_chosen_by_features_not_by_the_version_string(monkeypatch)
     from verl_p2p.sandbox.tiny import tiny_config_dict
 
     features = RankStateFeatures.detect()
-    assert features.adapter_kind(sglang.__version__) == (
-        "runtime_context" if features.runtime_context else "module_globals"
-    )
-    monkeypatch.setattr(sglang, "__version__", "0.5.23")
+    expected = "_RuntimeContextAdapter" if features.context_placement else "_GlobalsAdapter"
+    claimed = "0.5.23" if expected == "_GlobalsAdapter" else "0.5.12"
+    monkeypatch.setattr(sglang, "__version__", claimed)
     args = {"tp_size": 2, "dtype": "float32"}
     ctx = RankContext(args, layout_from_server_args(args, 1), tiny_config_dict("qwen3"))
-    assert type(ctx._adapter).__name__ == ("_RuntimeContextAdapter" if features.runtime_context else "_GlobalsAdapter")
-    hybrid = RankStateFeatures(runtime_context=True, context_placement=False, model_contexts=False, record_fields=True)
-    with pytest.raises(UnsupportedSGLangVersionError, match="lacks SpawnRanks placement"):
-        hybrid.adapter_kind("0.5.17")
+    assert type(ctx._adapter).__name__ == expected
+    with ctx:
+        import sglang.srt.distributed.parallel_state as ps
+
+        assert ps.get_tensor_model_parallel_rank() == 1
+    assert RankStateFeatures(False, False, False, False).adapter_kind("0.5.12") == "module_globals"
+    assert RankStateFeatures(True, False, False, True).adapter_kind("0.5.17") == "module_globals"
+    assert RankStateFeatures(True, True, False, True).adapter_kind("0.5.21") == "runtime_context"
+    with pytest.raises(UnsupportedSGLangVersionError, match="record_fields"):
+        RankStateFeatures(True, True, True, False).adapter_kind("0.5.22")

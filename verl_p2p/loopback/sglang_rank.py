@@ -26,8 +26,9 @@ from verl_p2p.sandbox.cpu_stubs import install_cpu_stubs
 
 def _generation() -> str:
     """How the installed SGLang sets a rank up, found from what it offers (not from its version string):
-    "module_globals" (no `sglang.srt.runtime_context`: 0.5.12, 0.5.13) or "runtime_context" (the launcher
-    places ranks through `publish(..., ranks=SpawnRanks(...))`: 0.5.21 on)."""
+    "runtime_context" where the launcher places ranks through `publish(..., ranks=SpawnRanks(...))` (0.5.21
+    on), else "module_globals" (parallel groups are module globals; from 0.5.14 part of the rest lives in the
+    process-wide runtime context, which SGLang's own initializers fill)."""
     import importlib.util
     import inspect
 
@@ -38,13 +39,15 @@ def _generation() -> str:
     publish = getattr(rc, "publish", None)
     if hasattr(rc, "SpawnRanks") and publish is not None and "ranks" in inspect.signature(publish).parameters:
         return "runtime_context"
-    import sglang
+    return "module_globals"
 
-    raise P2PConfigError(
-        f"the loopback SGLang rank cannot set up SGLang {sglang.__version__}: its runtime context does not place "
-        "ranks (no publish(ranks=SpawnRanks)) while parts of the rank state already live there; use a release "
-        "that keeps all of it in module globals (0.5.12, 0.5.13) or in the runtime context (0.5.21 on)"
-    )
+
+def _call(fn, *args, **keywords):
+    """Call an SGLang function with the keyword arguments its signature in this release accepts."""
+    import inspect
+
+    accepted = inspect.signature(fn).parameters
+    return fn(*args, **{k: v for k, v in keywords.items() if k in accepted})
 
 
 def _args(model_path: str, server_args: Mapping[str, Any], tp_size: int) -> dict:
@@ -116,7 +119,7 @@ def _build_module_globals(record, tp_rank: int, tp_size: int, dist_init_method: 
     from sglang.srt.server_args import set_global_server_args_for_scheduler
 
     set_global_server_args_for_scheduler(record)
-    initialize_moe_config(record)
+    _call(initialize_moe_config, server_args=record)
     model_config = ModelConfig.from_server_args(record)
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
@@ -139,10 +142,15 @@ def _build_module_globals(record, tp_rank: int, tp_size: int, dist_init_method: 
     )
     initialize_dp_attention(server_args=record, model_config=model_config)
     expert_location._global_expert_location_metadata = None
-    expert_location.set_global_expert_location_metadata(
-        expert_location.compute_initial_expert_location_metadata(
-            server_args=record, model_config=model_config, moe_ep_rank=ps.get_moe_expert_parallel_rank()
-        )
+    _call(
+        expert_location.set_global_expert_location_metadata,
+        _call(
+            expert_location.compute_initial_expert_location_metadata,
+            server_args=record,
+            model_config=model_config,
+            moe_ep_rank=ps.get_moe_expert_parallel_rank(),
+        ),
+        allow_overwrite=True,
     )
     return _load(model_config, record, tp_rank)
 

@@ -7,12 +7,15 @@ it while entered, so SGLang builds and loads exactly the shard that rank holds. 
 stand-ins (`StandInGroup`): they answer every question about membership and refuse communication.
 
 Where that state lives depends on the release, and the adapter is chosen by what the installed SGLang offers
-(`RankStateFeatures`), not by its version string: releases without `sglang.srt.runtime_context` keep it in
-module globals (`_GlobalsAdapter`: 0.5.12, 0.5.13); releases whose runtime context places ranks itself
-(`SpawnRanks`, `ParallelContext.override_permanently`) get one context per rank (`_RuntimeContextAdapter`:
-0.5.21 on, through `create_context`/`use_context` where they exist, else a fresh context swapped in around
-`publish`). Releases outside `TESTED_SGLANG_RANGE` are refused with the range. Neither adapter is
-thread-safe, so every entry takes one module lock (re-entrant).
+(`RankStateFeatures`), not by its version string. Where the parallel groups are module globals (0.5.12 ..
+0.5.20), `_GlobalsAdapter` runs SGLang's own initializers once per rank and swaps the globals they set in
+and out; from 0.5.14 part of that state (flags, resources, published config) lives in the process-wide
+`runtime_context`, which then gets a fresh context per rank, swapped in with the globals. Where the runtime
+context places ranks itself (`publish(..., ranks=SpawnRanks)`, 0.5.21 on), `_RuntimeContextAdapter` keeps
+one context per rank (`create_context`/`use_context` where they exist, else a fresh context swapped in
+around `publish`). Initializers are called with the arguments their signature in the installed release
+takes. Releases outside `TESTED_SGLANG_RANGE` are refused with the range. Neither adapter is thread-safe, so
+every entry takes one module lock (re-entrant).
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ import copy
 import dataclasses
 import dis
 import hashlib
+import importlib
+import importlib.util
+import inspect
 import json
 import os
 import re
@@ -193,9 +199,6 @@ class RankStateFeatures:
 
     @classmethod
     def detect(cls) -> RankStateFeatures:
-        import importlib.util
-        import inspect
-
         if importlib.util.find_spec("sglang.srt.runtime_context") is None:
             return cls(False, False, False, False)
         import sglang.srt.runtime_context as rc
@@ -215,17 +218,16 @@ class RankStateFeatures:
         )
 
     def adapter_kind(self, version: str) -> str:
-        if not self.runtime_context:
-            return "module_globals"
-        if self.context_placement and self.record_fields:
+        """`runtime_context` where the context places ranks itself (0.5.21 on), else `module_globals`."""
+        if self.runtime_context and self.context_placement:
+            if not self.record_fields:
+                raise UnsupportedSGLangVersionError(
+                    f"SGLang {version} places ranks in its runtime context but has no "
+                    "sglang.srt.arg_groups.arg_utils.record_fields to read its ServerArgs fields; the p2p replica "
+                    f"supports {' .. '.join(TESTED_SGLANG_RANGE)}"
+                )
             return "runtime_context"
-        needed = (("SpawnRanks placement", self.context_placement), ("record_fields", self.record_fields))
-        missing = [name for name, present in needed if not present]
-        raise UnsupportedSGLangVersionError(
-            f"SGLang {version} keeps rank state partly in sglang.srt.runtime_context but lacks {', '.join(missing)}; "
-            "the p2p replica reproduces releases that keep it all in module globals or all in the runtime "
-            f"context; install such a release (tested: {' .. '.join(TESTED_SGLANG_RANGE)})"
-        )
+        return "module_globals"
 
 
 def _adapter_kind(version: str) -> str:
@@ -413,8 +415,21 @@ class _ModuleState:
 _MISSING = object()
 
 
+def _call(fn, *args, **keywords):
+    """Call an SGLang function with the keyword arguments its signature in this release accepts."""
+    accepted = inspect.signature(fn).parameters
+    return fn(*args, **{k: v for k, v in keywords.items() if k in accepted})
+
+
+def _optional_module(name: str):
+    return importlib.import_module(name) if importlib.util.find_spec(name) is not None else None
+
+
 class _GlobalsAdapter:
-    """SGLang 0.5.12: parallel groups, DP-attention flags, MoE config, server args and expert map are globals."""
+    """SGLang releases whose parallel groups are module globals (0.5.12 .. 0.5.20): groups, DP-attention
+    ranks, MoE config, server args and expert map are globals, or (from 0.5.14) partly state of the
+    process-wide `runtime_context`, which then gets a fresh context of its own per rank, swapped in with the
+    globals. SGLang's own initializers run once, called with the arguments their signature takes here."""
 
     def __init__(self, ctx: RankContext):
         import sglang.srt.distributed.parallel_state as ps
@@ -426,26 +441,11 @@ class _GlobalsAdapter:
         from sglang.srt.layers.moe import initialize_moe_config
         from sglang.srt.server_args import ServerArgs
 
+        rc = _optional_module("sglang.srt.runtime_context")
         layout = ctx.layout
-        names = {f.name for f in dataclasses.fields(ServerArgs)}
-        # /server_info carries resolved values: build the record without re-running __post_init__.
-        record = object.__new__(ServerArgs)
-        for f in dataclasses.fields(ServerArgs):
-            if f.default is not dataclasses.MISSING:
-                value = f.default
-            elif f.default_factory is not dataclasses.MISSING:
-                value = f.default_factory()
-            else:
-                value = None
-            setattr(record, f.name, value)
-        self.fields_used = _sglang_field_values(ctx.server_args_in, names)
-        for k, v in _with_config_dir(self.fields_used, names, ctx.config_dir).items():
-            setattr(record, k, v)
-        if record.device is None:
-            record.device = "cuda"
+        self.fields_used, record = _server_args_record(ServerArgs, ctx)
         self.server_args = record
-        self.model_config = ModelConfig.from_server_args(record)
-        self.state = _ModuleState([ps, dpa, moe_utils, sa_mod, el])
+        self.state = _ModuleState([ps, dpa, moe_utils, sa_mod, el] + ([rc] if rc is not None else []))
         groups = stand_in_groups(layout)
         for name, attr in (
             ("world", "_WORLD"),
@@ -460,16 +460,28 @@ class _GlobalsAdapter:
             self.state.set(ps, attr, groups[name])
         self.state.set(ps, "_ENABLE_PDMUX_P_TP", False)
         self.state.set(el, "_global_expert_location_metadata", None)
+        if rc is not None:  # flags, resources and published config of this rank live in its own context
+            context = rc.RuntimeContext(parallel=rc.ParallelContext())
+            self.state.set(rc, "_CONTEXT", context)
+            self.state.set(rc, "_PARALLEL", context.parallel)
+        built: dict[str, Any] = {}
 
         def init() -> None:
-            sa_mod.set_global_server_args_for_scheduler(record)
-            initialize_moe_config(record)
-            dpa.initialize_dp_attention(record, self.model_config)
+            sa_mod.set_global_server_args_for_scheduler(record)  # from 0.5.17 it publishes into the context
+            built["model_config"] = model_config = ModelConfig.from_server_args(record)
+            _call(initialize_moe_config, server_args=record)
+            dpa.initialize_dp_attention(record, model_config)
             on_cpu = copy.copy(record)
             on_cpu.device = "cpu"
-            el.set_global_expert_location_metadata(
-                el.compute_initial_expert_location_metadata(on_cpu, self.model_config, layout.moe_ep_rank)
-            )
+            device = rc.get_device() if rc is not None and hasattr(rc, "get_device") else None
+            with device.override(device="cpu") if hasattr(device, "override") else contextlib.nullcontext():
+                metadata = _call(
+                    el.compute_initial_expert_location_metadata,
+                    server_args=on_cpu,
+                    model_config=model_config,
+                    moe_ep_rank=layout.moe_ep_rank,
+                )
+            _call(el.set_global_expert_location_metadata, metadata, allow_overwrite=True)
 
         initializers = (
             sa_mod.set_global_server_args_for_scheduler,
@@ -482,12 +494,43 @@ class _GlobalsAdapter:
             self.state.capture(init, initializers)
         finally:
             self.state.deactivate()
+        self.model_config = built["model_config"]
 
     def activate(self) -> None:
         self.state.activate()
 
     def deactivate(self) -> None:
         self.state.deactivate()
+
+
+def _server_args_record(ServerArgs, ctx: RankContext) -> tuple[dict, Any]:
+    """The rollout's ServerArgs as this release's record, and the fields of it taken from `/server_info`.
+
+    A dataclass ServerArgs (up to 0.5.19) is filled without re-running `__post_init__`: `/server_info`
+    carries resolved values. A declared one (0.5.20 on) takes them as raw input and resolves when published.
+    """
+    if not dataclasses.is_dataclass(ServerArgs):
+        from sglang.srt.arg_groups.arg_utils import record_fields
+
+        names = {f.name for f in record_fields(ServerArgs)}
+        used = _sglang_field_values(ctx.server_args_in, names)
+        return used, ServerArgs(**_with_config_dir(used, names, ctx.config_dir))
+    names = {f.name for f in dataclasses.fields(ServerArgs)}
+    record = object.__new__(ServerArgs)
+    for f in dataclasses.fields(ServerArgs):
+        if f.default is not dataclasses.MISSING:
+            value = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            value = f.default_factory()
+        else:
+            value = None
+        setattr(record, f.name, value)
+    used = _sglang_field_values(ctx.server_args_in, names)
+    for k, v in _with_config_dir(used, names, ctx.config_dir).items():
+        setattr(record, k, v)
+    if record.device is None:
+        record.device = "cuda"
+    return used, record
 
 
 @contextlib.contextmanager

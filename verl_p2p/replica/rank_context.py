@@ -471,16 +471,14 @@ class _GlobalsAdapter:
             built["model_config"] = model_config = ModelConfig.from_server_args(record)
             _call(initialize_moe_config, server_args=record)
             dpa.initialize_dp_attention(record, model_config)
-            on_cpu = copy.copy(record)
-            on_cpu.device = "cpu"
-            device = rc.get_device() if rc is not None and hasattr(rc, "get_device") else None
-            with device.override(device="cpu") if hasattr(device, "override") else contextlib.nullcontext():
-                metadata = _call(
-                    el.compute_initial_expert_location_metadata,
-                    server_args=on_cpu,
-                    model_config=model_config,
-                    moe_ep_rank=layout.moe_ep_rank,
-                )
+            compute = el.compute_initial_expert_location_metadata
+            if "server_args" in inspect.signature(compute).parameters:  # up to 0.5.18: the record says the device
+                on_cpu = copy.copy(record)
+                on_cpu.device = "cpu"
+                metadata = compute(on_cpu, model_config, layout.moe_ep_rank)
+            else:  # the resolved record is read-only; the context's device bag says it
+                with rc.get_device().override(device="cpu"):
+                    metadata = compute(model_config=model_config, moe_ep_rank=layout.moe_ep_rank)
             _call(el.set_global_expert_location_metadata, metadata, allow_overwrite=True)
 
         initializers = (

@@ -245,6 +245,10 @@ def test_configured_import_paths_resolve():
     assert keys == {"custom_backend_module", "checkpoint_manager_class", "_target_"}, found
     for where, key, value in found:
         assert _resolve(value) is not None, f"{where}: {key}={value} does not resolve"
+    # every dotted verl_p2p name the user-facing text mentions
+    for path in [REPO / "README.md", *DOCS.glob("*.md"), *(REPO / "conf").rglob("*.yaml")]:
+        for dotted in set(re.findall(r"verl_p2p(?:\.[A-Za-z_]\w*)+", path.read_text())):
+            assert _resolve(dotted) is not None, f"{path.relative_to(REPO)}: {dotted} does not resolve"
 
 
 def test_entry_points_resolve():

@@ -98,7 +98,8 @@ SKIP = {"skip_tensor_list": ["k_scale", "v_scale"]}
     [
         ("0.5.12", {}, {}, 2),
         ("0.5.15", {}, {"allow_quant_error": True}, 1),
-        ("0.5.22", SKIP, {"allow_quant_error": True, **SKIP}, 0),
+        ("0.5.20", {}, {"allow_quant_error": True}, 1),
+        ("0.5.21", SKIP, {"allow_quant_error": True, **SKIP}, 0),
         ("0.5.23.dev4+gabc", SKIP, {"allow_quant_error": True, **SKIP}, 0),
         ("0.0.0.dev0", {}, {}, 2),
     ],
@@ -123,12 +124,12 @@ def test_checker_fields_notes_what_was_dropped():
     assert fields == {}
     assert dropped == [
         "allow_quant_error not sent: SGLang 0.5.12 predates it (needs >= 0.5.15)",
-        "skip_tensor_list not sent: SGLang 0.5.12 predates it (needs >= 0.5.22)",
+        "skip_tensor_list not sent: SGLang 0.5.12 predates it (needs >= 0.5.21)",
     ]
     _, dropped = checker_fields(config, "garbage", "compare")
     assert dropped[0].startswith("allow_quant_error not sent: SGLang of unknown version ('garbage')")
     assert checker_fields(config, "0.5.23", "snapshot") == ({}, [])  # snapshot copies every tensor
-    assert checker_fields(config, "0.5.22", "reset_tensors") == ({"skip_tensor_list": ["k_scale"]}, [])
+    assert checker_fields(config, "0.5.21", "reset_tensors") == ({"skip_tensor_list": ["k_scale"]}, [])
     assert checker_fields(P2PConfig(), "0.5.23", "compare") == ({}, [])
 
 

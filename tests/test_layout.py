@@ -1,4 +1,4 @@
-"""Rollout rank layouts from server args (PROTOCOL.md section 5) and rejection of unreproducible ones."""
+"""Rollout rank layouts from server args (docs/protocol.md section 6) and rejection of unreproducible ones."""
 
 import pytest
 

@@ -1,11 +1,12 @@
-"""The replica's bytes equal SGLang's own, rank by rank (DESIGN.md section 3, section 7).
+"""The replica's bytes equal SGLang's own, rank by rank (docs/architecture.md: the replica).
 
 Witness: every rank of every layout built by `build_sglang_rank_model` in a real gloo world of N processes
 (SGLang's parallel init and model loader). Replica: `RankReplica` in one process, every parameter loaded
 into a NaN-prefilled buffer, then again chunk by chunk; the compiled executor (`CompiledReplica`: copy
 programs, no SGLang call) the same way. Id-encoded float32 checkpoints make every misplaced, missing or
 doubled element visible; random bfloat16 checkpoints (a bfloat16 rollout) check the production dtype.
-Run for SGLang 0.5.12 and 0.5.23, each in its own processes.
+Run for SGLang 0.5.12, 0.5.21 and 0.5.23 (the oldest and newest supported releases and one between them), each
+in its own processes.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from verl_p2p.sandbox.tiny import write_tiny_checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
-VERSIONS = ("0.5.12", "0.5.23")
+VERSIONS = tuple(harness.SGLANG_DIRS)
 
 # (tag, checkpoint, server args); the world size is tp_size.
 MODELS = {
@@ -55,11 +56,11 @@ LAYOUTS = [
 
 @pytest.fixture(scope="module")
 def exact_results(tmp_path_factory):
-    """Witness dumps for every layout under both SGLang releases, then the replica comparisons.
+    """Witness dumps for every layout under every SGLang release of the matrix, then the replica comparisons.
 
     One group of four witness processes per release (worlds of 4, then 2, then 1, torn down in between),
-    so at most four processes run at a time. 0.5.12 (installed here) is compared in this process, 0.5.23
-    in a subprocess.
+    so at most four processes run at a time. 0.5.12 (installed here) is compared in this process while the
+    other releases are compared in subprocesses.
     """
     root = tmp_path_factory.mktemp("replica_exact")
     paths = {}
@@ -83,12 +84,15 @@ def exact_results(tmp_path_factory):
         phases = [(w, by_world[w]) for w in sorted(by_world, reverse=True)]
         specs[v] = [harness.write_spec(root / f"spec-{v}.json", phases, root / v)]
         harness.wait_all(harness.start_witnesses(v, specs[v][0], logs), 900, f"SGLang {v} witnesses")
-    proc, log = harness.start_compare("0.5.23", specs["0.5.23"], logs)
+    others = [v for v in VERSIONS if harness.SGLANG_DIRS[v] is not None]
+    compares = {v: harness.start_compare(v, specs[v], logs) for v in others}
     try:
-        local = compare_jobs(specs["0.5.12"])
+        results = compare_jobs(specs["0.5.12"])
     finally:
-        harness.wait_all([proc], 900, "0.5.23 replica comparison")
-    return {(r["version"].split("+")[0], r["tag"]): r for r in local + harness.read_results(log)}
+        harness.wait_all([proc for proc, _ in compares.values()], 900, "replica comparisons")
+    for _, log in compares.values():
+        results += harness.read_results(log)
+    return {(r["version"].split("+")[0], r["tag"]): r for r in results}
 
 
 @pytest.mark.parametrize("version", VERSIONS)

@@ -35,7 +35,7 @@ from verl_p2p.sandbox.tiny import write_tiny_checkpoint
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 pytestmark = pytest.mark.slow
 
-SESSIONS_VERSION = "0.5.23"  # first release imitated with /begin_weight_update and /end_weight_update is 0.5.22
+SESSIONS_VERSION = "0.5.23"  # first release imitated with /begin_weight_update and /end_weight_update is 0.5.21
 SPECS = [  # engine index = position
     EngineSpec(tp=2, ep=2, sglang_version=SESSIONS_VERSION, rank_timeout_s=6),
     EngineSpec(tp=1, sglang_version=SESSIONS_VERSION, rank_timeout_s=6),

@@ -89,7 +89,7 @@ class World:
         self.factor = 1.0  # trainer weights = factor x checkpoint
         # The engines imitate the installed SGLang (the trainer's replica reproduces only its own release's
         # bytes). 0.5.12, verl 0.9.1's pin, predates weight-update sessions: begin answers 404 once per client and
-        # the backend carries on without them. Under 0.5.22+ (e.g. PYTHONPATH=.venv/sglang-0.5.23) begin/end run.
+        # the backend carries on without them. Under 0.5.21+ (e.g. PYTHONPATH=.venv/sglang-0.5.23) begin/end run.
         self.sessions = False
 
     def dumps(self, engine: int) -> list[dict[str, torch.Tensor]]:
@@ -227,7 +227,7 @@ def lifecycle(events: list[dict]) -> list[str]:
 
 
 def expected_sync(step: int, sessions: bool, first: bool, *, kv: bool, check: bool, flush: bool) -> list[str]:
-    """The calls one sync makes on one engine. Without sessions (SGLang < 0.5.22) a client's first begin answers
+    """The calls one sync makes on one engine. Without sessions (SGLang < 0.5.21) a client's first begin answers
     404 and no end follows; later syncs of that client skip both. `flush`: verl's own ServerAdapter flush (the
     stock path), which may run before the writes land; p2p's own flush always follows the last write and the end."""
     calls = ["pause_generation[abort]"]

@@ -1,6 +1,7 @@
 """FakeSGLang: a STAND-IN for one SGLang engine's control plane and bootstrap server (tests only).
 
-Real HTTP on 127.0.0.1 (stdlib ThreadingHTTPServer, keep-alive), SGLang's routes and answer shapes, and a
+Real HTTP on 127.0.0.1 (stdlib ThreadingHTTPServer, keep-alive), SGLang's routes and answer shapes
+(docs/protocol.md sections 2-3), and a
 lifecycle state machine that refuses out-of-order calls with 400 the way a strict SGLang would. What SGLang
 itself allows it allows too, and records in `violations`: continue_generation inside an open weight-update
 session, with the KV cache released, or with a prefix cache holding KV from weights written since the last

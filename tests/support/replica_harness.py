@@ -1,7 +1,8 @@
-"""Runs witness process groups and replica comparisons under a chosen SGLang release (0.5.12 or 0.5.23).
+"""Runs witness process groups and replica comparisons under a chosen SGLang release.
 
-Each SGLang release runs in fresh processes: 0.5.23 lives in `.venv/sglang-0.5.23`, put first on the path.
-At most four processes run at once (the machine is shared).
+Each SGLang release runs in fresh processes: 0.5.12 is the venv's own; the others live in
+`.venv/sglang-<version>` (scripts/setup.sh installs them), put first on the path. At most four witness
+processes run at once (the machine is shared).
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 SUPPORT = Path(__file__).resolve().parent
-SGLANG_DIRS = {"0.5.12": None, "0.5.23": REPO / ".venv" / "sglang-0.5.23"}
+# The replica-exact matrix: the oldest and newest supported releases, and one between them (0.5.21: the
+# first whose runtime context places ranks itself, without create_context/use_context).
+SGLANG_DIRS = {"0.5.12": None, "0.5.21": REPO / ".venv" / "sglang-0.5.21", "0.5.23": REPO / ".venv" / "sglang-0.5.23"}
 
 
 def version_env(version: str) -> dict:

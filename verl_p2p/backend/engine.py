@@ -1,4 +1,4 @@
-"""P2PCheckpointEngine: verl's checkpoint-engine hooks mapped onto the p2p sync (DESIGN.md section 6).
+"""P2PCheckpointEngine: verl's checkpoint-engine hooks mapped onto the p2p sync (docs/architecture.md, "One sync").
 
 verl's stock CheckpointEngineManager drives every sync the same way: abort and release KV on every replica,
 `prepare` on every worker, `build_topology` on the driver, `init_process_group` on every worker, then

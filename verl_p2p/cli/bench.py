@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from verl_p2p.cli.quiet import run_quietly
 from verl_p2p.planning.targets import TargetRank
 from verl_p2p.transfer.writer import WriteEntry, Writer
 
@@ -490,9 +491,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--slots", default=None, help="conversion bench slot kinds, comma list of gpu,pinned,host")
     parser.add_argument("--no-stage", action="store_true", help="conversion bench: skip the push-without-wire runs")
+    parser.add_argument("-v", "--verbose", action="store_true", help="show third-party output instead of logging it")
     args = parser.parse_args(argv)
-    shape = model_shape(args.model, args.layers, args.experts)
     argv = list(sys.argv[1:] if argv is None else argv)
+    return run_quietly("bench", args.verbose, lambda: _main(args, argv))
+
+
+def _main(args: argparse.Namespace, argv: list[str]) -> int:
+    shape = model_shape(args.model, args.layers, args.experts)
     if args.device is not None:
         from verl_p2p.cli.bench_convert import run_convert_bench
 

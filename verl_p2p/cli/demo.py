@@ -10,8 +10,10 @@ tcp writes, bump version, end, resume KV, resume) and checks the result bit for 
 - steps 1.. scale every trainer parameter by (1 + step/8). A scale commutes with every slicing, fusing and
   transposing a layout does, and zero padding stays zero, so each rank must then hold exactly its bytes from
   SGLang's own load, scaled the same way: an independent expectation that never goes through the replica.
-Exits 1 on any mismatch. `--corrupt-after-step N` (hidden, for the negative-control test) flips one byte of one
-rank right after step N's sync, so that step's check must report it and the run must exit 1.
+Quiet by default: third-party warnings, logs and child processes' output go to a log file whose path is
+printed (`-v` shows them). Exits 1 on any mismatch. `--corrupt-after-step N` (hidden, for the negative-control
+test) flips one byte of one rank right after step N's sync, so that step's check must report it and the run
+must exit 1.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from verl_p2p.cli.quiet import progress, run_quietly
 
 ENGINES = (("TP2/EP2", 2, 2), ("TP2/EP1", 2, 1))
 
@@ -101,13 +105,21 @@ async def _run(args: argparse.Namespace, workdir: Path) -> int:
     t0 = time.perf_counter()
     model_dir = write_tiny_checkpoint(workdir / "qwen3_moe", "qwen3_moe", id_encoded=False, seed=args.seed)
     engines = [LoopbackEngine(EngineSpec(tp=tp, ep=ep, dtype="float32"), str(model_dir)) for _, tp, ep in ENGINES]
+    names = [f"engine {i} ({label})" for i, (label, _, _) in enumerate(ENGINES)]
+    print(
+        f"[demo] starting {len(engines)} loopback rollout engines ({sum(tp for _, tp, _ in ENGINES)} SGLang rank "
+        "processes, tiny Qwen3-MoE) and a Megatron-Bridge trainer, all on CPU"
+    )
     try:
-        for engine in engines:  # rank processes start now, while the trainer model builds
-            engine.start()
-        trainer = trainer_engine(model_dir)
-        initial = {name: p.detach().clone() for c in trainer.module for name, p in c.named_parameters()}
-        for engine in engines:
-            engine.wait_ready()
+        with progress("[demo]", ["trainer", *names]) as started:
+            for engine in engines:  # rank processes start now, while the trainer model builds
+                engine.start()
+            trainer = trainer_engine(model_dir)
+            started.done("trainer")
+            initial = {name: p.detach().clone() for c in trainer.module for name, p in c.named_parameters()}
+            for name, engine in zip(names, engines, strict=True):
+                engine.wait_ready()
+                started.done(name)
         witness = [{r: e.dump(r) for r in range(e.spec.tp)} for e in engines]
         print(f"[demo] ready in {time.perf_counter() - t0:.1f}s: tiny Qwen3-MoE at {model_dir}")
         for (label, _, _), e in zip(ENGINES, engines, strict=True):
@@ -200,8 +212,8 @@ async def _run(args: argparse.Namespace, workdir: Path) -> int:
                 ],
             )
         )
-        last = lifecycle_phase_table(report.phases)
-        print("\nphases of the last sync (s):\n" + last)
+        if args.verbose:
+            print("\nphases of the last sync (s):\n" + lifecycle_phase_table(report.phases))
         print(
             f"\n[demo] {'FAILED' if failed else 'OK'}: {args.steps} syncs in {time.perf_counter() - t0:.1f}s total"
             + (" (step 0 also passed the rollout's weights_checker compare)" if not failed else "")
@@ -223,8 +235,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=4, help="syncs to run (step 0 plus perturbed steps)")
     parser.add_argument("--bucket-mb", type=int, default=1, help="transfer slot size (small: exercises chunking)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("-v", "--verbose", action="store_true", help="show third-party output instead of logging it")
     parser.add_argument("--corrupt-after-step", type=int, default=None, help=argparse.SUPPRESS)  # see the docstring
     args = parser.parse_args(argv)
+    return run_quietly("demo", args.verbose, lambda: _main(args))
+
+
+def _main(args: argparse.Namespace) -> int:
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     from verl_p2p.sandbox.cpu_stubs import install_cpu_stubs
 

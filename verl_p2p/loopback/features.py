@@ -1,10 +1,10 @@
 """What the SGLang release a loopback engine claims to be (`sglang_version`) offers on its control plane.
 
-Cut-offs read from SGLang's sources: begin/end weight-update sessions and the checker's `skip_tensor_list` /
-`selector` from 0.5.22, `allow_quant_error` from 0.5.15 (PROTOCOL.md section 3). Two behaviours were verified
-only at the installed releases (0.5.12 and 0.5.23), so their exact first release is a bound, not a fact:
-`/weight_version` answers 404 ("deprecated, use /model_info") in both; a rank whose `compare` passed drops
-its snapshot, and checksums carry per-GPU / per-engine digests, in 0.5.23 but not in 0.5.12.
+The loopback imitates a release it is told to be, so here (and only here) behaviour follows the version
+string. Cut-offs read from the sources of every release 0.5.12 .. 0.5.23 (docs/protocol.md): begin/end
+weight-update sessions, the checker's `skip_tensor_list` / `selector`, and a rank dropping its snapshot
+after a compare that passed, from 0.5.21; `allow_quant_error` from 0.5.15; per-GPU / per-engine checksums
+from 0.5.13. `/weight_version` answers 404 ("deprecated, use /model_info") from 0.5.12 and is gone from 0.5.21.
 """
 
 from __future__ import annotations
@@ -45,10 +45,10 @@ class Features:
         v = parse_version(version)
         return cls(
             version=version,
-            weight_update_session=v >= (0, 5, 22),
+            weight_update_session=v >= (0, 5, 21),
             checker_allow_quant_error=v >= (0, 5, 15),
-            checker_skip_tensor_list=v >= (0, 5, 22),
+            checker_skip_tensor_list=v >= (0, 5, 21),
             weight_version_route=v < (0, 5, 12),
-            compare_drops_snapshot=v >= (0, 5, 23),
-            checksum_per_gpu=v >= (0, 5, 23),
+            compare_drops_snapshot=v >= (0, 5, 21),
+            checksum_per_gpu=v >= (0, 5, 13),
         )

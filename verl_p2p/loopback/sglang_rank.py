@@ -23,19 +23,31 @@ import torch
 from verl_p2p.errors import P2PConfigError
 from verl_p2p.sandbox.cpu_stubs import install_cpu_stubs
 
-WITNESS_VERSIONS = ("0.5.12", "0.5.23")
+
+def _generation() -> str:
+    """How the installed SGLang sets a rank up, found from what it offers (not from its version string):
+    "runtime_context" where the launcher places ranks through `publish(..., ranks=SpawnRanks(...))` (0.5.21
+    on), else "module_globals" (parallel groups are module globals; from 0.5.14 part of the rest lives in the
+    process-wide runtime context, which SGLang's own initializers fill)."""
+    import importlib.util
+    import inspect
+
+    if importlib.util.find_spec("sglang.srt.runtime_context") is None:
+        return "module_globals"
+    import sglang.srt.runtime_context as rc
+
+    publish = getattr(rc, "publish", None)
+    if hasattr(rc, "SpawnRanks") and publish is not None and "ranks" in inspect.signature(publish).parameters:
+        return "runtime_context"
+    return "module_globals"
 
 
-def _version() -> str:
-    import sglang
+def _call(fn, *args, **keywords):
+    """Call an SGLang function with the keyword arguments its signature in this release accepts."""
+    import inspect
 
-    version = str(sglang.__version__).split("+")[0]
-    if version not in WITNESS_VERSIONS:
-        raise P2PConfigError(
-            f"the loopback SGLang rank supports SGLang {', '.join(WITNESS_VERSIONS)}, found {version}: "
-            "install one of those"
-        )
-    return version
+    accepted = inspect.signature(fn).parameters
+    return fn(*args, **{k: v for k, v in keywords.items() if k in accepted})
 
 
 def _args(model_path: str, server_args: Mapping[str, Any], tp_size: int) -> dict:
@@ -53,17 +65,19 @@ def _server_args(model_path: str, server_args: Mapping[str, Any], tp_size: int):
     from sglang.srt.server_args import ServerArgs
 
     args = _args(model_path, server_args, tp_size)
-    if _version() == "0.5.12":
+    try:
+        from sglang.srt.arg_groups.arg_utils import record_fields
+    except ImportError:
         known = {f.name for f in dataclasses.fields(ServerArgs)}
     else:
-        from sglang.srt.arg_groups.arg_utils import record_fields
-
         known = {f.name for f in record_fields(ServerArgs)}
     unknown = sorted(set(args) - known)
     if unknown:
-        raise P2PConfigError(f"unknown SGLang server args {unknown} (SGLang {_version()})")
+        import sglang
+
+        raise P2PConfigError(f"unknown SGLang server args {unknown} (SGLang {sglang.__version__})")
     record = ServerArgs(**args)
-    if _version() != "0.5.12":
+    if hasattr(record, "resolve_once"):
         record.resolve_once()
     return record
 
@@ -78,7 +92,7 @@ def sglang_server_info(model_path: str, server_args: Mapping[str, Any]) -> dict:
 def _server_info(record) -> dict:
     import sglang
 
-    info = dataclasses.asdict(record) if _version() == "0.5.12" else record.resolved_dict()
+    info = record.resolved_dict() if hasattr(record, "resolved_dict") else dataclasses.asdict(record)
     return {**info, "version": sglang.__version__}
 
 
@@ -96,7 +110,7 @@ def _load(model_config, record, tp_rank: int) -> torch.nn.Module:
     return get_model(model_config=model_config, load_config=load_config, device_config=DeviceConfig("cpu", tp_rank))
 
 
-def _build_0_5_12(record, tp_rank: int, tp_size: int, dist_init_method: str) -> torch.nn.Module:
+def _build_module_globals(record, tp_rank: int, tp_size: int, dist_init_method: str) -> torch.nn.Module:
     import sglang.srt.eplb.expert_location as expert_location
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.distributed import parallel_state as ps
@@ -105,7 +119,7 @@ def _build_0_5_12(record, tp_rank: int, tp_size: int, dist_init_method: str) -> 
     from sglang.srt.server_args import set_global_server_args_for_scheduler
 
     set_global_server_args_for_scheduler(record)
-    initialize_moe_config(record)
+    _call(initialize_moe_config, server_args=record)
     model_config = ModelConfig.from_server_args(record)
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
@@ -128,15 +142,20 @@ def _build_0_5_12(record, tp_rank: int, tp_size: int, dist_init_method: str) -> 
     )
     initialize_dp_attention(server_args=record, model_config=model_config)
     expert_location._global_expert_location_metadata = None
-    expert_location.set_global_expert_location_metadata(
-        expert_location.compute_initial_expert_location_metadata(
-            server_args=record, model_config=model_config, moe_ep_rank=ps.get_moe_expert_parallel_rank()
-        )
+    _call(
+        expert_location.set_global_expert_location_metadata,
+        _call(
+            expert_location.compute_initial_expert_location_metadata,
+            server_args=record,
+            model_config=model_config,
+            moe_ep_rank=ps.get_moe_expert_parallel_rank(),
+        ),
+        allow_overwrite=True,
     )
     return _load(model_config, record, tp_rank)
 
 
-def _build_0_5_23(record, tp_rank: int, tp_size: int, dist_init_method: str) -> torch.nn.Module:
+def _build_runtime_context(record, tp_rank: int, tp_size: int, dist_init_method: str) -> torch.nn.Module:
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.distributed import parallel_state as ps
     from sglang.srt.eplb.expert_location import (
@@ -191,9 +210,9 @@ def build_sglang_rank_model(
         raise P2PConfigError(
             f"this process already joined a world of {torch.distributed.get_world_size()} ranks, not {tp_size}"
         )
-    version = _version()
+    generation = _generation()
     record = _server_args(model_path, server_args, tp_size)
-    build = _build_0_5_12 if version == "0.5.12" else _build_0_5_23
+    build = _build_module_globals if generation == "module_globals" else _build_runtime_context
     model = build(record, tp_rank, tp_size, dist_init_method)
     model.sglang_server_info = _server_info(record)
     return model

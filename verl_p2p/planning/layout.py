@@ -1,8 +1,7 @@
 """A rollout rank's parallel layout, derived from its SGLang server args (no upstream endpoint publishes it).
 
-Pure: no I/O. For rank r of tp_size T with ep_size E and attention DP D: attn_tp = T // D, attn_tp_rank =
-r % attn_tp, attn_dp_rank = r // attn_tp, moe_tp = T // E, moe_ep_rank = r // moe_tp, moe_tp_rank = r % moe_tp.
-A published layout (some SGLang forks serve one) is preferred and must agree with the derived one.
+Pure: no I/O. docs/protocol.md section 6 gives the arithmetic; a published layout (some SGLang forks serve one)
+is preferred and must agree with the derived one.
 
 The server args arrive as a JSON answer (`/server_info`): `check_server_info` refuses one whose layout fields
 have the wrong type or impossible values (MalformedAnswerError) before any arithmetic runs on them.

@@ -18,7 +18,7 @@ from verl_p2p.replica.plan import (
 )
 from verl_p2p.replica.plan_cache import PlanCache, PlanKey, default_plan_cache_dir
 from verl_p2p.replica.rank_context import (
-    SUPPORTED_SGLANG_VERSIONS,
+    TESTED_SGLANG_RANGE,
     RankContext,
     UnsupportedSGLangVersionError,
     rank_context,
@@ -26,7 +26,7 @@ from verl_p2p.replica.rank_context import (
 from verl_p2p.replica.stream import CompletenessStager, RankReplica, ReplicaLoadError
 
 __all__ = [
-    "SUPPORTED_SGLANG_VERSIONS",
+    "TESTED_SGLANG_RANGE",
     "CompiledPlanMismatchError",
     "CompiledReplica",
     "CompletenessStager",

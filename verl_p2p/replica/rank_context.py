@@ -6,16 +6,28 @@ and the expert-location map. A `RankContext` prepares all of that for one rank o
 it while entered, so SGLang builds and loads exactly the shard that rank holds. The group objects are
 stand-ins (`StandInGroup`): they answer every question about membership and refuse communication.
 
-SGLang 0.5.12 keeps this state in module globals; 0.5.23 keeps it in a per-context `RuntimeContext`. One
-adapter per version; neither is thread-safe, so every entry takes one module lock (re-entrant).
+Where that state lives depends on the release, and the adapter is chosen by what the installed SGLang offers
+(`RankStateFeatures`), not by its version string. Where the parallel groups are module globals (0.5.12 ..
+0.5.20), `_GlobalsAdapter` runs SGLang's own initializers once per rank and swaps the globals they set in
+and out; from 0.5.14 part of that state (flags, resources, published config) lives in the process-wide
+`runtime_context`, which then gets a fresh context per rank, swapped in with the globals. Where the runtime
+context places ranks itself (`publish(..., ranks=SpawnRanks)`, 0.5.21 on), `_RuntimeContextAdapter` keeps
+one context per rank (`create_context`/`use_context` where they exist, else a fresh context swapped in
+around `publish`). Initializers are called with the arguments their signature in the installed release
+takes. Releases outside `TESTED_SGLANG_RANGE` are refused with the range. Neither adapter is thread-safe, so
+every entry takes one module lock (re-entrant).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import dis
 import hashlib
+import importlib
+import importlib.util
+import inspect
 import json
 import os
 import re
@@ -31,8 +43,9 @@ from verl_p2p.planning.layout import RankLayout, check_reproducible, layout_from
 
 _LOCK = threading.RLock()
 
-# Tested SGLang releases and the adapter that reproduces their rank state.
-SUPPORTED_SGLANG_VERSIONS = {"0.5.12": "module_globals", "0.5.23": "runtime_context"}
+# The SGLang releases the replica supports, both ends included (the `sglang` extra of pyproject.toml says the
+# same). CI runs the replica-exact matrix on 0.5.12, 0.5.21 and 0.5.23 (tests/test_replica_exact.py).
+TESTED_SGLANG_RANGE = ("0.5.12", "0.5.23")
 
 # Server-args fields that name one engine instance (ports, hosts, paths, logs), not the bytes it holds.
 INSTANCE_FIELDS = frozenset(
@@ -158,15 +171,68 @@ def base_version(version: str) -> str:
     return ".".join(re.split(r"[+]", str(version))[0].split(".")[:3])
 
 
-def _adapter_kind(version: str) -> str:
-    kind = SUPPORTED_SGLANG_VERSIONS.get(base_version(version))
-    if kind is None:
+def _release(version: str) -> tuple[int, ...] | None:
+    match = re.match(r"^\s*(\d+)\.(\d+)\.(\d+)", str(version))
+    return tuple(int(x) for x in match.groups()) if match else None
+
+
+def check_tested_range(version: str) -> None:
+    """Refuse an SGLang release outside TESTED_SGLANG_RANGE, naming the range and the fix."""
+    low, high = TESTED_SGLANG_RANGE
+    release = _release(version)
+    if release is None or not _release(low) <= release <= _release(high):
         raise UnsupportedSGLangVersionError(
-            f"SGLang {version} is not supported by the p2p replica (supported: "
-            f"{', '.join(SUPPORTED_SGLANG_VERSIONS)}); install one of those on the trainer, or add and test an "
-            "adapter in verl_p2p/replica/rank_context.py"
+            f"SGLang {version} is outside the range the p2p replica supports and is tested on ({low} .. {high}); "
+            f"install a release in that range on the trainer (pip install 'sglang>={low},<={high}'), the same "
+            "release the rollout servers run"
         )
-    return kind
+
+
+@dataclasses.dataclass(frozen=True)
+class RankStateFeatures:
+    """Where the installed SGLang keeps the state that makes a process "rank r" (found by inspection)."""
+
+    runtime_context: bool  # sglang.srt.runtime_context exists (else: module globals only)
+    context_placement: bool  # publish(..., ranks=SpawnRanks) places the ranks, override_permanently stamps groups
+    model_contexts: bool  # create_context + use_context (else: publish into a fresh context swapped in)
+    record_fields: bool  # ServerArgs fields via arg_groups.arg_utils.record_fields (else dataclasses.fields)
+
+    @classmethod
+    def detect(cls) -> RankStateFeatures:
+        if importlib.util.find_spec("sglang.srt.runtime_context") is None:
+            return cls(False, False, False, False)
+        import sglang.srt.runtime_context as rc
+
+        publish = getattr(rc, "publish", None)
+        placement = (
+            hasattr(rc, "SpawnRanks")
+            and hasattr(getattr(rc, "ParallelContext", None), "override_permanently")
+            and publish is not None
+            and "ranks" in inspect.signature(publish).parameters
+        )
+        return cls(
+            runtime_context=True,
+            context_placement=placement,
+            model_contexts=hasattr(rc, "create_context") and hasattr(rc, "use_context"),
+            record_fields=importlib.util.find_spec("sglang.srt.arg_groups.arg_utils") is not None,
+        )
+
+    def adapter_kind(self, version: str) -> str:
+        """`runtime_context` where the context places ranks itself (0.5.21 on), else `module_globals`."""
+        if self.runtime_context and self.context_placement:
+            if not self.record_fields:
+                raise UnsupportedSGLangVersionError(
+                    f"SGLang {version} places ranks in its runtime context but has no "
+                    "sglang.srt.arg_groups.arg_utils.record_fields to read its ServerArgs fields; the p2p replica "
+                    f"supports {' .. '.join(TESTED_SGLANG_RANGE)}"
+                )
+            return "runtime_context"
+        return "module_globals"
+
+
+def _adapter_kind(version: str) -> str:
+    check_tested_range(version)
+    return RankStateFeatures.detect().adapter_kind(version)
 
 
 def hf_config_dict(hf_config: Any) -> dict:
@@ -390,8 +456,21 @@ class _ModuleState:
 _MISSING = object()
 
 
+def _call(fn, *args, **keywords):
+    """Call an SGLang function with the keyword arguments its signature in this release accepts."""
+    accepted = inspect.signature(fn).parameters
+    return fn(*args, **{k: v for k, v in keywords.items() if k in accepted})
+
+
+def _optional_module(name: str):
+    return importlib.import_module(name) if importlib.util.find_spec(name) is not None else None
+
+
 class _GlobalsAdapter:
-    """SGLang 0.5.12: parallel groups, DP-attention flags, MoE config, server args and expert map are globals."""
+    """SGLang releases whose parallel groups are module globals (0.5.12 .. 0.5.20): groups, DP-attention
+    ranks, MoE config, server args and expert map are globals, or (from 0.5.14) partly state of the
+    process-wide `runtime_context`, which then gets a fresh context of its own per rank, swapped in with the
+    globals. SGLang's own initializers run once, called with the arguments their signature takes here."""
 
     def __init__(self, ctx: RankContext):
         import sglang.srt.distributed.parallel_state as ps
@@ -403,26 +482,11 @@ class _GlobalsAdapter:
         from sglang.srt.layers.moe import initialize_moe_config
         from sglang.srt.server_args import ServerArgs
 
+        rc = _optional_module("sglang.srt.runtime_context")
         layout = ctx.layout
-        names = {f.name for f in dataclasses.fields(ServerArgs)}
-        # /server_info carries resolved values: build the record without re-running __post_init__.
-        record = object.__new__(ServerArgs)
-        for f in dataclasses.fields(ServerArgs):
-            if f.default is not dataclasses.MISSING:
-                value = f.default
-            elif f.default_factory is not dataclasses.MISSING:
-                value = f.default_factory()
-            else:
-                value = None
-            setattr(record, f.name, value)
-        self.fields_used = _sglang_field_values(ctx.server_args_in, names)
-        for k, v in _with_config_dir(self.fields_used, names, ctx.config_dir).items():
-            setattr(record, k, v)
-        if record.device is None:
-            record.device = "cuda"
+        self.fields_used, record = _server_args_record(ServerArgs, ctx)
         self.server_args = record
-        self.model_config = ModelConfig.from_server_args(record)
-        self.state = _ModuleState([ps, dpa, moe_utils, sa_mod, el])
+        self.state = _ModuleState([ps, dpa, moe_utils, sa_mod, el] + ([rc] if rc is not None else []))
         groups = stand_in_groups(layout)
         for name, attr in (
             ("world", "_WORLD"),
@@ -437,16 +501,26 @@ class _GlobalsAdapter:
             self.state.set(ps, attr, groups[name])
         self.state.set(ps, "_ENABLE_PDMUX_P_TP", False)
         self.state.set(el, "_global_expert_location_metadata", None)
+        if rc is not None:  # flags, resources and published config of this rank live in its own context
+            context = rc.RuntimeContext(parallel=rc.ParallelContext())
+            self.state.set(rc, "_CONTEXT", context)
+            self.state.set(rc, "_PARALLEL", context.parallel)
+        built: dict[str, Any] = {}
 
         def init() -> None:
-            sa_mod.set_global_server_args_for_scheduler(record)
-            initialize_moe_config(record)
-            dpa.initialize_dp_attention(record, self.model_config)
-            on_cpu = copy.copy(record)
-            on_cpu.device = "cpu"
-            el.set_global_expert_location_metadata(
-                el.compute_initial_expert_location_metadata(on_cpu, self.model_config, layout.moe_ep_rank)
-            )
+            sa_mod.set_global_server_args_for_scheduler(record)  # from 0.5.17 it publishes into the context
+            built["model_config"] = model_config = ModelConfig.from_server_args(record)
+            _call(initialize_moe_config, server_args=record)
+            dpa.initialize_dp_attention(record, model_config)
+            compute = el.compute_initial_expert_location_metadata
+            if "server_args" in inspect.signature(compute).parameters:  # up to 0.5.18: the record says the device
+                on_cpu = copy.copy(record)
+                on_cpu.device = "cpu"
+                metadata = compute(on_cpu, model_config, layout.moe_ep_rank)
+            else:  # the resolved record is read-only; the context's device bag says it
+                with rc.get_device().override(device="cpu"):
+                    metadata = compute(model_config=model_config, moe_ep_rank=layout.moe_ep_rank)
+            _call(el.set_global_expert_location_metadata, metadata, allow_overwrite=True)
 
         initializers = (
             sa_mod.set_global_server_args_for_scheduler,
@@ -459,6 +533,7 @@ class _GlobalsAdapter:
             self.state.capture(init, initializers)
         finally:
             self.state.deactivate()
+        self.model_config = built["model_config"]
 
     def activate(self) -> None:
         self.state.activate()
@@ -467,10 +542,66 @@ class _GlobalsAdapter:
         self.state.deactivate()
 
 
+def _server_args_record(ServerArgs, ctx: RankContext) -> tuple[dict, Any]:
+    """The rollout's ServerArgs as this release's record, and the fields of it taken from `/server_info`.
+
+    A dataclass ServerArgs (up to 0.5.19) is filled without re-running `__post_init__`: `/server_info`
+    carries resolved values. A declared one (0.5.20 on) takes them as raw input and resolves when published.
+    """
+    if not dataclasses.is_dataclass(ServerArgs):
+        from sglang.srt.arg_groups.arg_utils import record_fields
+
+        names = {f.name for f in record_fields(ServerArgs)}
+        used = _sglang_field_values(ctx.server_args_in, names)
+        return used, ServerArgs(**_with_config_dir(used, names, ctx.config_dir))
+    names = {f.name for f in dataclasses.fields(ServerArgs)}
+    record = object.__new__(ServerArgs)
+    for f in dataclasses.fields(ServerArgs):
+        if f.default is not dataclasses.MISSING:
+            value = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            value = f.default_factory()
+        else:
+            value = None
+        setattr(record, f.name, value)
+    used = _sglang_field_values(ctx.server_args_in, names)
+    for k, v in _with_config_dir(used, names, ctx.config_dir).items():
+        setattr(record, k, v)
+    if record.device is None:
+        record.device = "cuda"
+    return used, record
+
+
+@contextlib.contextmanager
+def _swapped_in(rc, context):
+    """Make `context` the process's runtime context while inside (what `use_context` does where it exists)."""
+    previous = rc._CONTEXT, rc._PARALLEL
+    rc._CONTEXT, rc._PARALLEL = context, context.parallel
+    try:
+        yield context
+    finally:
+        rc._CONTEXT, rc._PARALLEL = previous
+
+
+def _new_rank_context(rc, record, ranks):
+    """A runtime context of its own for one rank, and the function that activates it.
+
+    Releases with `create_context`/`use_context` (0.5.22 on) build one directly. Before that (0.5.21),
+    `publish` configures the process-wide context in place, so it gets a fresh one swapped in to configure.
+    """
+    if hasattr(rc, "create_context") and hasattr(rc, "use_context"):
+        return rc.create_context(record, role="scheduler", ranks=ranks), rc.use_context
+    context = rc.RuntimeContext(parallel=rc.ParallelContext())
+    with _swapped_in(rc, context):
+        rc.publish(record, role="scheduler", ranks=ranks)
+    return context, lambda c: _swapped_in(rc, c)
+
+
 class _RuntimeContextAdapter:
-    """SGLang 0.5.23: one `RuntimeContext` per rank (create_context), groups stamped on its parallel state."""
+    """SGLang 0.5.21 on: one `RuntimeContext` per rank, groups stamped on its parallel state."""
 
     def __init__(self, ctx: RankContext):
+        import sglang.srt.runtime_context as rc
         from sglang.srt.arg_groups.arg_utils import record_fields
         from sglang.srt.configs.model_config import ModelConfig
         from sglang.srt.eplb.expert_location import (
@@ -479,17 +610,18 @@ class _RuntimeContextAdapter:
         )
         from sglang.srt.layers.dp_attention import init_dp_gathered_buffer, initialize_dp_attention
         from sglang.srt.layers.moe import initialize_moe_config
-        from sglang.srt.runtime_context import SpawnRanks, create_context, get_device, get_parallel, use_context
+        from sglang.srt.runtime_context import SpawnRanks, get_device, get_parallel
         from sglang.srt.server_args import ServerArgs
 
         layout = ctx.layout
         names = {f.name for f in record_fields(ServerArgs)}
         self.fields_used = _sglang_field_values(ctx.server_args_in, names)
-        # Raw input, as the CLI would give it (nested configs as dicts); create_context resolves it.
+        # Raw input, as the CLI would give it (nested configs as dicts); the context resolves it.
         record = ServerArgs(**_with_config_dir(self.fields_used, names, ctx.config_dir))
         self.server_args = record
-        self._use_context = use_context
-        self.context = create_context(record, role="scheduler", ranks=SpawnRanks(world_rank=layout.tp_rank))
+        with _LOCK:
+            self.context, self._use_context = _new_rank_context(rc, record, SpawnRanks(world_rank=layout.tp_rank))
+        use_context = self._use_context
         groups = stand_in_groups(layout)
         stamped = {f"{name}_group": g for name, g in groups.items()}
         with use_context(self.context):

@@ -74,7 +74,7 @@ class P2PReplicaAdapter:
 
     @property
     def sessions_supported(self) -> bool | None:
-        """False once the server answered 404 to begin/end (SGLang < 0.5.22): post-load processing won't run."""
+        """False once the server answered 404 to begin/end (SGLang < 0.5.21): post-load processing won't run."""
         return self.client.sessions_supported
 
     # ---- lifecycle actions ---------------------------------------------------------------------------------

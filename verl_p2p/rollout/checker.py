@@ -21,7 +21,7 @@ from verl_p2p.errors import P2PError
 logger = logging.getLogger(__name__)
 
 ALLOW_QUANT_ERROR_SINCE = Version("0.5.15")
-SKIP_TENSOR_LIST_SINCE = Version("0.5.22")  # also `selector`
+SKIP_TENSOR_LIST_SINCE = Version("0.5.21")  # also `selector`
 _SKIP_LIST_ACTIONS = ("reset_tensors", "compare", "checksum")  # snapshot copies everything
 
 

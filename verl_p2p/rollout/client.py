@@ -1,6 +1,6 @@
 """Async client of one SGLang server (control plane) and its engine-info bootstrap server.
 
-The wire contract is PROTOCOL.md sections 2-3. Calls use aiohttp on the running loop (keep-alive
+The wire contract is docs/protocol.md sections 2-3. Calls use aiohttp on the running loop (keep-alive
 connections, no thread hops, no blocking I/O on the loop). An aiohttp session is bound to the loop it was made
 on, and verl drives the lifecycle from `asyncio.run` in some trainer modes (a fresh loop per call) and from a
 long-lived loop in others, so a client keeps one session per running loop, made on first use and closed when
@@ -313,7 +313,7 @@ class SGLangClient:
         return await self._json("POST", "/flush_cache", timeout=timeout)
 
     async def begin_weight_update(self, selector: str = "all", timeout: float | None = None) -> bool:
-        """Open a weight-update session; False when the server predates sessions (404, SGLang < 0.5.22)."""
+        """Open a weight-update session; False when the server predates sessions (404, SGLang < 0.5.21)."""
         return await self._session_call("/begin_weight_update", {"selector": selector}, timeout)
 
     async def end_weight_update(self, timeout: float | None = None) -> bool:
@@ -331,7 +331,7 @@ class SGLangClient:
             self.sessions_supported = False
             self._warn_once(
                 "sessions",
-                f"SGLang at {self.url} has no {route} (it predates weight-update sessions, added in 0.5.22): "
+                f"SGLang at {self.url} has no {route} (it predates weight-update sessions, added in 0.5.21): "
                 "continuing without sessions; post-load processing (quantization finalisation, "
                 "post_load_weights) will NOT run after weight updates on this server",
             )

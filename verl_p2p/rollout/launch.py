@@ -1,6 +1,6 @@
 """The SGLang server args a p2p rollout needs, their validation, and their per-replica form.
 
-A p2p rollout engine must publish its weight memory (PROTOCOL.md section 1):
+A p2p rollout engine must publish its weight memory (docs/protocol.md section 1):
 
 - `remote_instance_weight_loader_start_seed_via_transfer_engine=True`: every model-runner rank registers its
   parameters with a Mooncake TransferEngine and publishes them to the engine's bootstrap server;

@@ -1,4 +1,4 @@
-"""The sync sequence: the only module that knows the order of the steps.
+"""The sync sequence (docs/architecture.md, "One sync"): the only module that knows the order of the steps.
 
     abort -> release KV (when the rollout frees it) -> [checker: snapshot + reset, once] -> begin session
     -> connect (cached) -> push [-> re-push the targets left unknown, `p2p_push_retries` times]

@@ -1,5 +1,5 @@
-"""The trainer source's data plane (DESIGN.md section 1): HF stream -> stager -> replica.load into a transfer
-slot -> writer sends the slot to every target holding those bytes, while the next slot fills.
+"""The trainer source's data plane: HF stream -> stager -> replica.load into a transfer slot -> writer sends the
+slot to every target holding those bytes, while the next slot fills (docs/architecture.md, "The path of one byte").
 
 The replica is an executor (`verl_p2p.replica.compiled.make_executor`): the compiled copy programs or
 SGLang's loader; on CUDA its copies are asynchronous, so the slot's device is synchronized before its bytes

@@ -1,4 +1,4 @@
-"""Mooncake TransferEngine transport (PROTOCOL.md section 4): rdma in production, tcp in tests.
+"""Mooncake TransferEngine transport (docs/protocol.md section 4): rdma in production, tcp in tests.
 
 The rollout ranks already run Mooncake engines (SGLang's remote-instance weight loader) and publish
 `host:rpc_port` session ids, so the trainer side only needs its own engine in P2PHANDSHAKE mode.

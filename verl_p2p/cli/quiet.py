@@ -1,0 +1,142 @@
+"""Quiet command runs: a command's own lines on the terminal, everything else in a log file.
+
+The demo and the bench load SGLang, Megatron and Mooncake, which print import warnings, log lines, progress
+bars and even caught import tracebacks (Megatron's optional FP8 import), from this process and from the
+child processes it starts. `run_quietly` points file descriptors 1 and 2 at a log file, so C-level output and
+every child process (which inherits them) land there, and makes `sys.stdout` a router: what code of this
+package prints goes to the original stdout, what any other module prints goes to the log. It says where the
+log is and turns an exception into one line naming it and the log. With `verbose` nothing is redirected
+and an exception propagates with its traceback.
+
+The descriptors stay on the log until the process exits, so shutdown noise (atexit handlers, resource
+trackers) lands there as well: use it around a command's `main`, not inside a library call.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TextIO
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_quietly(command: str, verbose: bool, main: Callable[[], int]) -> int:
+    """Run `main()` (which prints its own lines to `sys.stdout`) with third-party output sent to a log file."""
+    if verbose:
+        return main()
+    log_path = _redirect_to_log(command)
+    print(f"[{command}] third-party output (warnings, logs, child processes) goes to {log_path}; -v shows it here")
+    try:
+        return main()
+    except KeyboardInterrupt:
+        print(f"[{command}] interrupted (log: {log_path})")
+        return 130
+    except Exception as exc:  # noqa: BLE001 - one readable line here, the traceback in the log
+        traceback.print_exc()  # sys.stderr: the log
+        sys.stderr.flush()
+        print(f"[{command}] FAILED: {type(exc).__name__}: {exc} (traceback in {log_path})")
+        return 1
+    finally:
+        sys.stdout.flush()
+
+
+class _Router(io.TextIOBase):
+    """`sys.stdout` of a quiet run: writes made by this package's code go to `console`, all others to `log`."""
+
+    def __init__(self, console: TextIO, log: TextIO):
+        self.console, self.log = console, log
+
+    @property
+    def encoding(self) -> str:
+        return "utf-8"
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        return (self.console if _printed_by_us(sys._getframe(1)) else self.log).write(text)
+
+    def flush(self) -> None:
+        self.console.flush()
+        self.log.flush()
+
+    def fileno(self) -> int:
+        return self.log.fileno()  # handed to a child process, it writes into the log
+
+    def isatty(self) -> bool:
+        return False
+
+
+def _printed_by_us(frame) -> bool:
+    """Whether the code that printed (the first frame that is not a `write` wrapper: wandb, for one, wraps
+    `sys.stdout.write` in place) is part of this package."""
+    while frame is not None and "write" in frame.f_code.co_name:
+        frame = frame.f_back
+    caller = frame.f_globals.get("__file__") if frame is not None else None
+    return bool(caller) and os.path.abspath(caller).startswith(_PACKAGE_DIR + os.sep)
+
+
+def _redirect_to_log(command: str) -> str:
+    """fds 1 and 2 -> a new log file; `sys.stdout` -> the router. Returns the log path."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd, path = tempfile.mkstemp(prefix=f"verl-p2p-{command}-", suffix=".log")
+    console = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8", errors="replace")
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout = _Router(console, sys.stdout)  # the old object writes to fd 1: the log now
+    return path
+
+
+class Progress:
+    """Elapsed-time lines while something slow starts: `done(what)` at once, and every `every` seconds a line
+    naming what is still `pending` (a list the caller keeps up to date)."""
+
+    def __init__(self, prefix: str, every: float = 10.0):
+        self.prefix = prefix
+        self.every = every
+        self.pending: list[str] = []
+        self.start = time.perf_counter()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+
+    @property
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def say(self, text: str) -> None:
+        with self._lock:
+            print(f"{self.prefix} {self.elapsed:5.1f} s  {text}", flush=True)
+
+    def done(self, what: str) -> None:
+        if what in self.pending:
+            self.pending.remove(what)
+        self.say(f"{what}: ready")
+
+    def _tick(self) -> None:
+        while not self._stop.wait(self.every):
+            if self.pending:
+                self.say("waiting for " + ", ".join(self.pending))
+
+
+@contextmanager
+def progress(prefix: str, pending: list[str], every: float = 10.0) -> Iterator[Progress]:
+    """A `Progress` whose ticker runs while inside; `pending` names what is being waited for."""
+    tracker = Progress(prefix, every)
+    tracker.pending = list(pending)
+    ticker = threading.Thread(target=tracker._tick, daemon=True, name="verl-p2p-progress")
+    ticker.start()
+    try:
+        yield tracker
+    finally:
+        tracker._stop.set()
+        ticker.join()

@@ -12,7 +12,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from verl_p2p.backend.plugin import ALIAS, BACKEND, BACKEND_NAMES, backend_problem, our_config_signs, uses_verl_p2p
+from verl_p2p.backend.identity import ALIAS, BACKEND, BACKEND_NAMES, backend_problem, our_config_signs, uses_verl_p2p
 from verl_p2p.config import P2PConfig, config_field, plain
 from verl_p2p.errors import P2PConfigError
 from verl_p2p.rollout.launch import rollout_dp_problem, server_arg_problems

@@ -18,26 +18,14 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import torch
 
+
 # Qwen3-30B-A3B's published shape (config.json of the model card); the layer count is the bench's choice.
-QWEN3_30B_A3B = dict(
-    hidden_size=2048,
-    num_hidden_layers=48,
-    num_experts=128,
-    moe_intermediate_size=768,
-    vocab_size=151936,
-    num_attention_heads=32,
-    num_key_value_heads=4,
-    head_dim=128,
-)
-
-
 class DiscardTransport:
     """A transport whose writes go nowhere: the wire left out, so `push()` measures the trainer side alone.
     Registration accepts any memory (host or GPU). Not a rollout and not a stand-in for one."""
@@ -95,7 +83,7 @@ def hf_tensors(specs: dict, device: torch.device, seed: int = 0) -> dict[str, to
             t = torch.empty(shape, dtype=torch.float32, device=device).normal_(0, 0.02, generator=gen)
             out[name] = t.to(dtype)
         return out
-    from verl_p2p.cli.bench import SyntheticStream
+    from verl_p2p.cli.bench_model import SyntheticStream
 
     stream = SyntheticStream(specs, seed)
     return {name: stream.tensor(name) for name in specs}
@@ -189,7 +177,7 @@ def run_convert_bench(
     from verl_p2p.sandbox.cpu_stubs import install_cpu_stubs
 
     install_cpu_stubs()
-    from verl_p2p.cli.bench import BenchShape, _numel
+    from verl_p2p.cli.bench_model import BenchShape, numel
     from verl_p2p.planning.layout import layout_from_server_args
     from verl_p2p.replica.compiled import CompiledReplica
     from verl_p2p.replica.stream import RankReplica
@@ -221,7 +209,7 @@ def run_convert_bench(
     compile_s = time.perf_counter() - t0
     by_name = {"compiled": compiled, "sglang": references}
     hf = hf_tensors(specs, dev)
-    model_bytes = sum(_numel(s) * 2 for s, _ in specs.values())
+    model_bytes = sum(numel(s) * 2 for s, _ in specs.values())
     target_bytes = sum(r.plan.nbytes for r in references)
     checked = check_exact(compiled, references, hf, dev) if verify else 0
     if slot_kinds is None:
@@ -337,9 +325,3 @@ def format_convert_table(r: dict) -> str:
         for k, v in r["ratios"].items()
     ]
     return "\n".join(head + rows + [""] + ratios)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    from verl_p2p.cli.bench import main
-
-    sys.exit(main(["--device", "cpu", *sys.argv[1:]]))

@@ -48,7 +48,7 @@ def p2p_server_args(base_port: int = DEFAULT_BASE_PORT) -> dict[str, Any]:
 def uses_p2p(rollout_config: Any) -> bool:
     """The rollout syncs through verl_p2p: `backend=verl_p2p`, or `p2p` while it resolves to verl_p2p's class.
     Raises P2PConfigError when `p2p` resolves to another package's class while verl_p2p's config is in use."""
-    from verl_p2p.backend.plugin import check_backend, our_config_signs, uses_verl_p2p
+    from verl_p2p.backend.identity import check_backend, our_config_signs, uses_verl_p2p
 
     backend = config_field(config_field(rollout_config, "checkpoint_engine"), "backend")
     check_backend(backend, our_config_signs(rollout_config))

@@ -198,6 +198,7 @@ def test_sessions_fact_reaches_the_assignment_on_the_manager_path(monkeypatch):
     args = {SEED_FLAG: True, MEMORY_SAVER: False}
     old = FakeSGLang(tp_size=1, version="0.5.12", sessions=False, server_args=args)
     new = FakeSGLang(tp_size=1, version="0.5.23", server_args=args)
+    monkeypatch.setattr(SourceSessionStandIn, "servers", {0: old, 1: new})  # what its push writes
     config = CheckpointEngineConfig(backend="p2p", engine_kwargs={"p2p": {"http_timeout": 10}})
     actors = ActorGroupStandIn(world_size=2)
     manager = P2PCheckpointEngineManager(config, actors, [ReplicaStandIn(0, old), ReplicaStandIn(1, new)])

@@ -128,8 +128,9 @@ def stage_once(executors: Sequence, hf: dict, buffers, device: torch.device) -> 
     from verl_p2p.transfer.writer import Writer
 
     targets = []
+    addr = 1 << 40  # one "discard" session for every rank: their (fake) ranges must not overlap
     for r, ex in enumerate(executors):
-        params, addr = {}, 1 << 40
+        params = {}
         for name, p in ex.plan.params.items():
             params[name] = RemoteParam(addr, p.nbytes // p.dtype.itemsize, p.dtype.itemsize)
             addr += p.nbytes

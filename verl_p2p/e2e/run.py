@@ -159,6 +159,9 @@ class Harness:
             bucket_size_mb=args.bucket_mb,
             p2p_transfer_timeout=args.transfer_timeout,
             http_timeout=args.http_timeout,
+            staging=args.staging,
+            executor=args.executor,
+            verify_first_push=True,  # every plan generation's first push checked against SGLang's loader too
         )
         self.rollout = self._rollout(f"{self.arch}-rollout", self.checkpoint, 2 * self.index).start()
         self.trainer = self._trainer()
@@ -459,6 +462,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--syncs", type=int, default=3, help="plain syncs before the drills (the first is checked)")
     parser.add_argument("--drills", default=",".join(DRILLS), help=f"comma list of {DRILLS}, or none")
     parser.add_argument("--bucket-mb", type=int, default=16)
+    parser.add_argument("--staging", choices=("auto", "gpu", "pinned"), default="auto")
+    parser.add_argument("--executor", choices=("compiled", "sglang"), default="compiled")
     parser.add_argument("--transfer-timeout", type=float, default=20.0)
     parser.add_argument("--http-timeout", type=float, default=30.0)
     parser.add_argument("--bootstrap-port", type=int, default=26789)
@@ -489,6 +494,8 @@ def main(argv: list[str] | None = None) -> int:
             "rollout": args.rollout,
             "size": args.size,
             "trainer_device": args.device,
+            "staging": args.staging,
+            "executor": args.executor,
             "seconds": round(time.perf_counter() - t0, 1),
             "passed": all(r.get("passed") for r in results.values()),
             "models": results,

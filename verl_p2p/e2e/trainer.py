@@ -111,6 +111,7 @@ def _serve(spec: TrainerSpec, conn: Any) -> None:
             "seconds_write_wait": metrics.seconds_write_wait,
             "seconds_hf_wait": metrics.seconds_hf_wait,
             "per_target": {str(t): n for t, n in metrics.bytes_per_target.items()},
+            "slots": f"{source.buffers.device.type}{' pinned' if source.buffers.pinned else ''}",
         }
 
     commands = {

@@ -316,7 +316,7 @@ def preflight(server_args: Mapping[str, Any], layout: RankLayout, hf_config: Any
             f"rank layout {layout} disagrees with the one its server args give ({derived}); "
             "pass the layout derived from the same /server_info"
         )
-    _adapter_kind(version)
+    check_tested_range(version)  # which adapter fits is decided when SGLang is first needed (RankContext)
     served = server_args.get("version")
     if served and base_version(served) != base_version(version):
         raise UnsupportedLayoutError(

@@ -25,6 +25,13 @@ def test_auto_takes_gpu_slots_only_with_cuda_tensors_and_a_cuda_mooncake():
     assert choose_staging("pinned", "cpu", CUDA_BUILD, cuda_available=False).kind == "host"
 
 
+def test_auto_keeps_host_slots_over_tcp():
+    # Mooncake's tcp transport copies GPU memory through the host itself: pinned slots are faster there
+    assert choose_staging("auto", "cuda:0", CUDA_BUILD, cuda_available=True, protocol="tcp").kind == "pinned"
+    assert choose_staging("gpu", "cuda:0", CUDA_BUILD, cuda_available=True, protocol="tcp").kind == "gpu"
+    assert choose_staging("auto", "cuda:0", CUDA_BUILD, cuda_available=True, protocol="rdma").kind == "gpu"
+
+
 def test_gpu_staging_refuses_what_cannot_work():
     with pytest.raises(P2PConfigError, match="staging=gpu.*without CUDA.*mooncake-transfer-engine"):
         choose_staging("gpu", "cuda:0", HOST_BUILD, cuda_available=True)

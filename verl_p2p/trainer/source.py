@@ -164,7 +164,7 @@ class SourceSession:
         self.transport = MooncakeTransport(
             self.hostname or _node_ip(), config.protocol, config.device_name, timeout_s=config.p2p_transfer_timeout
         )
-        staging = choose_staging(config.staging, _hf_device())
+        staging = choose_staging(config.staging, _hf_device(), protocol=config.protocol)
         logger.info("p2p transfer slots: %s", staging.reason)
         self.buffers = TransferBuffers(
             config.bucket_size_bytes, self.transport, device=staging.device, pin_memory=staging.pin_memory

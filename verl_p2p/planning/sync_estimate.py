@@ -22,11 +22,12 @@ from verl_p2p.planning.hf_names import pp_stage_of
 from verl_p2p.planning.plan import SourceRank, TransferPlan
 from verl_p2p.planning.targets import TargetRank
 
-# Conversion throughput per source assumed when none is given: the H200 GPU -> pinned transfer-slot copy rate
-# measured by scripts/gpu_staging_bandwidth.py (docs/measurements/gpu_staging_h200_512mb.json), which bounds a
-# GPU conversion into pinned slots. Replace it by `verl-p2p bench --device cuda`'s convert_gbps where measured.
-DEFAULT_CONVERT_GBPS = 55.0
-DEFAULT_CONVERT_SOURCE = "H200 GPU->pinned slot copy, 55.1 GB/s (docs/measurements/gpu_staging_h200_512mb.json)"
+# Conversion throughput per source assumed when none is given: the compiled executor into GPU transfer slots on
+# an H200 (what a source over RDMA uses), measured by `verl-p2p bench --device cuda --model qwen3-30b-a3b --layers 4`
+# (docs/measurements/bench_convert_h200_qwen3_30b_a3b_tp2ep2.json; into pinned host slots: 52.8 GB/s).
+DEFAULT_CONVERT_GBPS = 1004.6
+_CONVERT_JSON = "docs/measurements/bench_convert_h200_qwen3_30b_a3b_tp2ep2.json"
+DEFAULT_CONVERT_SOURCE = f"compiled executor into GPU slots on an H200, 1004.6 GB/s ({_CONVERT_JSON})"
 DEFAULT_NIC_GBITS = 400.0
 
 

@@ -24,7 +24,6 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,37 +34,18 @@ from verl_p2p.cli.quiet import progress, run_quietly
 ENGINES = (("TP2/EP2", 2, 2), ("TP2/EP1", 2, 1))
 
 
-@dataclass
-class DemoModelConfig:
-    """The two fields of verl's HFModelConfig the trainer source reads."""
-
-    hf_config: Any
-    local_path: str
-
-
 def _scale(step: int) -> float:
     return 1.0 + step / 8.0
 
 
 def trainer_engine(model_dir: Path, parallel: Any = None) -> Any:
     """verl's real MegatronEngine class holding a Megatron-Bridge model of `model_dir` (default: a world of one,
-    gloo; with `parallel`, this rank's part of an already initialised process group).
-
-    MegatronEngine's own constructor needs CUDA and an optimizer; the demo fills in the three attributes the
-    p2p source reads (module chunks, bridge, model config) on an instance made without it.
-    """
-    from transformers import AutoConfig
-    from verl.workers.engine.megatron.transformer_impl import MegatronEngine
-
-    from verl_p2p.sandbox.cpu_megatron import Parallel, build_tiny_megatron, free_port, init_distributed
+    gloo; with `parallel`, this rank's part of an already initialised process group)."""
+    from verl_p2p.sandbox.cpu_megatron import free_port, init_distributed, megatron_engine_shell
 
     if not torch.distributed.is_initialized():
         init_distributed(0, 1, free_port())
-    modules, bridge = build_tiny_megatron(model_dir, parallel or Parallel())
-    engine = object.__new__(MegatronEngine)
-    engine.module, engine.bridge = modules, bridge
-    engine.model_config = DemoModelConfig(AutoConfig.from_pretrained(model_dir), str(model_dir))
-    return engine
+    return megatron_engine_shell(model_dir, parallel)
 
 
 def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

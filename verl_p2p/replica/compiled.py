@@ -26,7 +26,7 @@ import torch
 from verl_p2p.errors import P2PError
 from verl_p2p.replica.plan import ParamPlan, WritePlan
 from verl_p2p.replica.program import CopyProgram, NotCompilable, compilable, compile_param
-from verl_p2p.replica.stream import CompletenessStager, ReplicaLoadError, _typed_view
+from verl_p2p.replica.stream import CompletenessStager, ReplicaLoadError, _typed_view, check_chunk
 
 logger = logging.getLogger(__name__)
 
@@ -90,11 +90,7 @@ class CompiledReplica:
     ) -> None:
         """Fill `dst` with bytes [byte_offset, byte_offset + dst.numel()) of the parameter."""
         p = self._plan(param_name)
-        es = p.dtype.itemsize
-        if byte_offset % es or dst.numel() % es or byte_offset < 0 or byte_offset + dst.numel() > p.nbytes:
-            raise ReplicaLoadError(
-                f"{param_name}: chunk [{byte_offset}, +{dst.numel()}) is not element-aligned inside {p.nbytes} bytes"
-            )
+        es = check_chunk(p, byte_offset, dst.numel())
         if param_name in self.fallbacks:
             self.reference.load_chunk(param_name, hf_tensors, byte_offset, dst)
         else:

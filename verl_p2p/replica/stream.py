@@ -268,6 +268,16 @@ def _try(save, *args) -> None:
         logger.warning("p2p plan cache: could not write an entry (%s); continuing without it", exc)
 
 
+def check_chunk(p: ParamPlan, byte_offset: int, nbytes: int) -> int:
+    """Refuse a byte range that is not whole elements inside the parameter; returns the element size."""
+    es = p.dtype.itemsize
+    if byte_offset % es or nbytes % es or byte_offset < 0 or byte_offset + nbytes > p.nbytes:
+        raise ReplicaLoadError(
+            f"{p.name}: chunk [{byte_offset}, +{nbytes}) is not element-aligned inside {p.nbytes} bytes"
+        )
+    return es
+
+
 class RankReplica:
     """HF tensors -> the exact bytes one SGLang rollout rank holds, through SGLang's own model and loaders.
 
@@ -411,11 +421,7 @@ class RankReplica:
     ) -> None:
         """Fill `dst` with bytes [byte_offset, byte_offset + dst.numel()) of the parameter, replaying the plan."""
         p = self._plan(param_name)
-        es = p.dtype.itemsize
-        if byte_offset % es or dst.numel() % es or byte_offset < 0 or byte_offset + dst.numel() > p.nbytes:
-            raise ReplicaLoadError(
-                f"{param_name}: chunk [{byte_offset}, +{dst.numel()}) is not element-aligned inside {p.nbytes} bytes"
-            )
+        es = check_chunk(p, byte_offset, dst.numel())
         if not p.replayable:
             ops = sorted({w.op for w in p.writes if not w.replayable})
             raise ReplicaLoadError(

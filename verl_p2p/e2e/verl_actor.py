@@ -18,6 +18,7 @@ re-derives the device only under RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES (no
 from __future__ import annotations
 
 import os
+import types
 from typing import Any
 
 import torch
@@ -73,6 +74,7 @@ class MegatronActorWorker(Worker):
             )
         first = next(iter(self._initial.values()))
         return {
+            "training_worker": getattr(self.actor, "import_error", None) or type(self.actor).__qualname__,
             "device": str(first.device),
             "dtype": str(first.dtype),
             "parameters": len(self._initial),
@@ -137,7 +139,6 @@ def _training_worker(config: Any, device: str) -> Any:
     from verl.workers.config import HFModelConfig
     from verl.workers.engine.megatron import transformer_impl
     from verl.workers.engine.megatron.transformer_impl import MegatronEngine
-    from verl.workers.engine_workers import TrainingWorker
 
     if device == "cpu":
         transformer_impl.load_megatron_model_to_gpu = lambda *args, **kwargs: None
@@ -160,7 +161,12 @@ def _training_worker(config: Any, device: str) -> Any:
     engine._hf_export_tasks = None
     engine._is_offload_param = False
     engine._is_offload_optimizer = False
-    actor = object.__new__(TrainingWorker)
+    try:
+        from verl.workers.engine_workers import TrainingWorker
+
+        actor = object.__new__(TrainingWorker)
+    except ImportError as exc:  # the engine is what the sync reads (`worker.actor.engine`); say what stood in
+        actor = types.SimpleNamespace(import_error=f"verl.workers.engine_workers: {type(exc).__name__}: {exc}")
     actor.engine = engine
     return actor
 

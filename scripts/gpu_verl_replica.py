@@ -31,7 +31,9 @@ stand-in replica of tests/support/verl_workers.py (verl's SGLangReplica imports 
 Megatron model on the CPU. CI runs it (tests/test_gpu_verl_replica.py).
 
 Usage on the H200 (stack at /tmp/site):
-  PYTHONPATH=/tmp/site:$PWD python3 scripts/gpu_verl_replica.py --out $OUT/verl_replica_h200.json
+  PYTHONPATH=/tmp/site:$PWD timeout 570 python3 scripts/gpu_verl_replica.py --out $OUT/verl_replica_h200.json
+`--deadline` (default 520 s after start) stops starting steps so the report is complete before `timeout` fires; the
+report is rewritten after every step, and the Ray workers' logs go next to it (`*_ray_logs.tgz`).
 """
 
 from __future__ import annotations
@@ -118,7 +120,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-verify-first-push", dest="verify_first_push", action="store_false")
     p.add_argument("--setup-timeout", type=float, default=420.0)
     p.add_argument("--sync-timeout", type=float, default=180.0)
-    p.add_argument("--deadline", type=float, default=530.0, help="seconds after start: stop starting steps")
+    p.add_argument("--deadline", type=float, default=520.0, help="seconds after start: stop starting steps")
     args = p.parse_args(argv)
     args.phases = [x for x in args.phases.split(",") if x]
     unknown = sorted(set(args.phases) - set(PHASES))

@@ -86,6 +86,16 @@ async def checksums_of(name: str, client: Any) -> dict[str, str]:
     return out
 
 
+async def greedy_generate(client: Any, input_ids: list[int], max_new_tokens: int, timeout: float) -> list[int]:
+    """`/generate` for token ids, greedy, exactly `max_new_tokens` new tokens: the output token ids."""
+    body = {
+        "input_ids": input_ids,
+        "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
+    }
+    answer = (await client.request("POST", "/generate", body=body, timeout=timeout)).json()
+    return list(answer["output_ids"])
+
+
 class SGLangServer:
     """A real SGLang server process (`python -m sglang.launch_server`), one GPU, TP 1."""
 
@@ -175,12 +185,7 @@ class SGLangServer:
         return self._proc is not None and self._proc.poll() is None
 
     async def generate(self, client: Any, input_ids: list[int], max_new_tokens: int, timeout: float) -> list[int]:
-        body = {
-            "input_ids": input_ids,
-            "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
-        }
-        answer = (await client.request("POST", "/generate", body=body, timeout=timeout)).json()
-        return list(answer["output_ids"])
+        return await greedy_generate(client, input_ids, max_new_tokens, timeout)
 
     async def checksums(self, client: Any) -> dict[str, str]:
         return await checksums_of(self.name, client)

@@ -7,7 +7,21 @@ from typing import Any
 
 
 class P2PError(RuntimeError):
-    """Base class of every error this backend raises on purpose."""
+    """Base class of every error this backend raises on purpose.
+
+    Picklable whatever a subclass's constructor takes: Ray sends a worker's exception to the driver by pickle,
+    and an exception that cannot be rebuilt there arrives as "Failed to deserialize exception", its message lost.
+    """
+
+    def __reduce__(self):
+        return (_rebuild_error, (type(self), self.args, dict(self.__dict__)))
+
+
+def _rebuild_error(cls: type, args: tuple, state: dict) -> BaseException:
+    error = cls.__new__(cls)
+    Exception.__init__(error, *args)
+    error.__dict__.update(state)
+    return error
 
 
 class P2PConfigError(P2PError, ValueError):

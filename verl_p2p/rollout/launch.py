@@ -185,3 +185,24 @@ def _port(value: Any) -> bool:
         return 1 <= int(value) <= 65535 and not isinstance(value, bool)
     except (TypeError, ValueError):
         return False
+
+
+def repair_scheduler_info(state: Any) -> bool:
+    """Make `/server_info` answer again on a server verl launched in-process (True when repaired).
+
+    verl 0.9.1 keeps the third value of SGLang's `Engine._launch_subprocesses` as the scheduler info; from SGLang
+    0.5.10 that value is the `PortArgs`, and `/server_info` (which merges the scheduler info into its answer)
+    fails with HTTP 500 "'PortArgs' object is not a mapping". p2p reads the rollout's server args from that route,
+    so a scheduler info that is not a mapping is replaced by an empty one: the answer keeps every server arg, the
+    internal states and the version, which is all `/server_info` is read for. `state` is SGLang's
+    `http_server._global_state`.
+    """
+    if state is None or isinstance(getattr(state, "scheduler_info", None), Mapping):
+        return False
+    logger.warning(
+        "verl_p2p: this server's scheduler info is a %s, not a mapping (verl 0.9.1 with SGLang >= 0.5.10): "
+        "/server_info would answer 500; answering without it",
+        type(state.scheduler_info).__name__,
+    )
+    state.scheduler_info = {}
+    return True

@@ -30,69 +30,20 @@ import ray
 import requests
 import torch
 from omegaconf import OmegaConf
-from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 from verl.workers.config import CheckpointEngineConfig, RolloutConfig
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica
 
+from verl_p2p.e2e.verl_actor import MegatronActorWorker
+
 # ------------------------------------------------------------------------------------------------ trainer side
 
 
-class ActorWorkerStandIn(Worker):
-    """Stand-in for verl's ActorRolloutRefWorker (role "actor", actor.strategy=megatron) on a CPU host.
-
-    `init_model` builds the tiny Megatron model through Megatron-Bridge (gloo groups) and the checkpoint engine
-    the way verl's `init_model` does; `update_weights` and `execute_checkpoint_engine` are verl's bodies for a
-    non-naive backend, with the same dispatch modes.
-    """
-
-    def __init__(self, config: Any, role: str = "actor") -> None:
-        Worker.__init__(self)
-        self.config = config
-        self.role = role
-        self.actor: Any = None
-        self.checkpoint_engine: Any = None
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def init_model(self) -> None:
-        from verl.checkpoint_engine import CheckpointEngineRegistry
-        from verl.utils.config import omega_conf_to_dataclass
-        from verl.utils.distributed import initialize_global_process_group_ray
-        from verl.utils.import_utils import import_external_libs
-
-        initialize_global_process_group_ray(timeout_second=300, backend="gloo")
-        self.actor = _cpu_training_worker(self.config)
-
-        # 4. build checkpoint engine (verl 0.9.1 engine_workers.ActorRolloutRefWorker.init_model, verbatim)
-        if "actor" in self.role:
-            checkpoint_engine_config = omega_conf_to_dataclass(self.config.rollout.checkpoint_engine)
-            backend = checkpoint_engine_config.backend
-            bucket_size = checkpoint_engine_config.update_weights_bucket_megabytes << 20
-            engine_kwargs = checkpoint_engine_config.engine_kwargs.get(backend, {})
-            import_external_libs(checkpoint_engine_config.custom_backend_module or None)
-            self.checkpoint_engine = CheckpointEngineRegistry.new(
-                backend, is_master=(torch.distributed.get_rank() == 0), bucket_size=bucket_size, **engine_kwargs
-            )
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
-    async def update_weights(self, global_steps: int = None, mode: str = "auto"):
-        """verl's update_weights for a non-naive backend (engine_workers.py), verbatim."""
-        effective_mode = mode if mode != "auto" else self.config.rollout.checkpoint_engine.backend
-        if effective_mode != "naive":
-            if effective_mode == "delta_sharded":
-                metrics = await self.checkpoint_engine.send_weights(self.actor.engine, global_steps=global_steps)
-                return metrics or {}
-            per_tensor_param, _ = self.actor.engine.get_per_tensor_param()
-            metrics = await self.checkpoint_engine.send_weights(per_tensor_param, global_steps=global_steps)
-            return metrics or {}
-        raise NotImplementedError("stand-in: the colocated (naive) sync needs verl's hybrid rollout on CUDA")
-
-    @register(dispatch_mode=Dispatch.DP_COMPUTE, blocking=False)
-    def execute_checkpoint_engine(self, method: str, *args, **kwargs):
-        return getattr(self.checkpoint_engine, method)(*args, **kwargs)
-
-    # ---- test hooks (not verl's) ----------------------------------------------------------------------------
+class ActorWorkerStandIn(MegatronActorWorker):
+    """Stand-in for verl's ActorRolloutRefWorker (role "actor", actor.strategy=megatron) on a CPU host: the e2e
+    harness's worker (`verl_p2p/e2e/verl_actor.py`: a real Megatron model through Megatron-Bridge inside verl's
+    MegatronEngine class, the checkpoint engine built and `update_weights` run as verl does), plus test hooks."""
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def scale_weights(self, factor: float) -> None:
@@ -119,47 +70,6 @@ class ActorWorkerStandIn(Worker):
             "replica_ids": sorted(id(r) for r in getattr(session, "_replicas", {}).values()),
             "export_mode": getattr(getattr(session, "exporter", None), "mode", None),
         }
-
-
-def _cpu_training_worker(config: Any) -> Any:
-    """verl's TrainingWorker holding verl's MegatronEngine class over a CPU Megatron model (Megatron-Bridge).
-
-    MegatronEngine's own `__init__`/`initialize` build the model on CUDA, so the instance is made without them and
-    given the attributes its export methods read. Its `get_per_tensor_param` is verl's, with the move of the
-    parameters to the GPU (`load_megatron_model_to_gpu`) made the identity: the host has no GPU.
-    """
-    from verl_p2p.sandbox.cpu_megatron import Parallel, build_tiny_megatron, install_te_stub
-    from verl_p2p.sandbox.cpu_stubs import install_cpu_stubs
-
-    install_te_stub()  # megatron-core's modules first, then the import-only transformer_engine stub
-    install_cpu_stubs()  # SGLang's model classes (the p2p replica) on a CPU host
-    from verl.workers.config import HFModelConfig
-    from verl.workers.engine.megatron import transformer_impl
-    from verl.workers.engine.megatron.transformer_impl import MegatronEngine
-    from verl.workers.engine_workers import TrainingWorker
-
-    transformer_impl.load_megatron_model_to_gpu = lambda *args, **kwargs: None
-    megatron = config.actor.megatron
-    par = Parallel(
-        tp=megatron.tensor_model_parallel_size,
-        pp=megatron.pipeline_model_parallel_size,
-        ep=megatron.expert_model_parallel_size,
-        etp=megatron.expert_tensor_parallel_size,
-    )
-    modules, bridge = build_tiny_megatron(config.model.path, par, dtype=torch.float32)
-    engine = object.__new__(MegatronEngine)
-    engine.module = modules
-    engine.bridge = bridge
-    engine.model_config = HFModelConfig(path=config.model.path, load_tokenizer=False)
-    engine.vanilla_bridge = False
-    engine.peft_cls = None
-    engine._qat_enabled = False
-    engine._hf_export_tasks = None
-    engine._is_offload_param = False
-    engine._is_offload_optimizer = False
-    actor = object.__new__(TrainingWorker)
-    actor.engine = engine
-    return actor
 
 
 def trainer_config(model_path: str, checkpoint_engine: dict, *, tp: int = 1, ep: int = 1, etp: int | None = None):

@@ -29,13 +29,12 @@ from typing import Any
 import ray
 import requests
 import torch
-from omegaconf import OmegaConf
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 from verl.workers.config import CheckpointEngineConfig, RolloutConfig
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica
 
-from verl_p2p.e2e.verl_actor import MegatronActorWorker
+from verl_p2p.e2e.verl_actor import MegatronActorWorker, actor_config
 
 # ------------------------------------------------------------------------------------------------ trainer side
 
@@ -73,26 +72,8 @@ class ActorWorkerStandIn(MegatronActorWorker):
 
 
 def trainer_config(model_path: str, checkpoint_engine: dict, *, tp: int = 1, ep: int = 1, etp: int | None = None):
-    """The slice of verl's `actor_rollout_ref` config the actor worker reads (OmegaConf, as verl passes it)."""
-    return OmegaConf.create(
-        {
-            "hybrid_engine": False,
-            "model": {"path": str(model_path)},
-            "actor": {
-                "strategy": "megatron",
-                "megatron": {
-                    "tensor_model_parallel_size": tp,
-                    "pipeline_model_parallel_size": 1,
-                    "expert_model_parallel_size": ep,
-                    "expert_tensor_parallel_size": etp,
-                },
-            },
-            "rollout": {
-                "name": "sglang",
-                "checkpoint_engine": {"_target_": "verl.workers.config.CheckpointEngineConfig", **checkpoint_engine},
-            },
-        }
-    )
+    """The slice of verl's `actor_rollout_ref` config the actor worker reads (the e2e harness's builder)."""
+    return actor_config(model_path, checkpoint_engine, tp=tp, ep=ep, etp=etp)
 
 
 def trainer_group(config: Any, world_size: int) -> RayWorkerGroup:

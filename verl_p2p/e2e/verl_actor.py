@@ -171,7 +171,15 @@ def _training_worker(config: Any, device: str) -> Any:
     return actor
 
 
-def actor_config(model_path: str, checkpoint_engine: dict, *, dtype: str = "float32", tp: int = 1) -> Any:
+def actor_config(
+    model_path: str,
+    checkpoint_engine: dict,
+    *,
+    dtype: str = "float32",
+    tp: int = 1,
+    ep: int = 1,
+    etp: int | None = None,
+) -> Any:
     """The slice of verl's `actor_rollout_ref` config the actor worker reads (OmegaConf, as verl passes it)."""
     return OmegaConf.create(
         {
@@ -182,8 +190,8 @@ def actor_config(model_path: str, checkpoint_engine: dict, *, dtype: str = "floa
                 "megatron": {
                     "tensor_model_parallel_size": tp,
                     "pipeline_model_parallel_size": 1,
-                    "expert_model_parallel_size": 1,
-                    "expert_tensor_parallel_size": None,
+                    "expert_model_parallel_size": ep,
+                    "expert_tensor_parallel_size": etp,
                     # harness only: the Megatron parameter dtype (verl derives it from its mixed-precision config)
                     "dtype": dtype,
                 },

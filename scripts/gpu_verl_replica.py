@@ -57,6 +57,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from verl_p2p.e2e.run import Check  # noqa: E402 - one check record for both harnesses
+
 # Every process of the run (this one, Ray's workers, SGLang's schedulers) gets these.
 BASE_ENV = {
     "RAY_AUTH_MODE": "disabled",
@@ -249,13 +251,6 @@ def compare_checksums(got: dict[str, str], want: dict[str, str]) -> tuple[bool, 
 
 
 # ---- report --------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Check:
-    name: str
-    ok: bool
-    detail: str = ""
 
 
 @dataclass

@@ -74,7 +74,7 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
 
 
 async def _run(args: argparse.Namespace, workdir: Path) -> int:
-    from verl_p2p.backend.topology import SourceMeta, assign
+    from verl_p2p.backend.topology import sole_source_assignment
     from verl_p2p.config import P2PConfig
     from verl_p2p.loopback.engine import EngineSpec, LoopbackEngine
     from verl_p2p.rollout.adapter import P2PReplicaAdapter
@@ -122,13 +122,7 @@ async def _run(args: argparse.Namespace, workdir: Path) -> int:
 
         async def push(connection: Any) -> dict:
             if held_generation[0] != connection.generation:
-                plan = assign(
-                    [SourceMeta(0, 0, 1)],
-                    connection.server_infos,
-                    connection.rank_infos,
-                    connection.layouts,
-                    connection.generation,
-                )[0]
+                plan = sole_source_assignment(connection)
                 source.apply(plan)
                 held_generation[0] = connection.generation
                 print(

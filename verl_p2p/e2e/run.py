@@ -195,19 +195,13 @@ class Harness:
     # ---- one sync ----------------------------------------------------------------------------------------------
 
     def _ensure_applied(self, connection: Any, corrupt_session: bool = False) -> None:
-        from verl_p2p.backend.topology import SourceMeta, assign
+        from verl_p2p.backend.topology import sole_source_assignment
         from verl_p2p.planning.targets import RemoteRankInfo
 
         key = (self.trainer_instance, connection.generation, corrupt_session)
         if self.applied == key:
             return
-        assignment = assign(
-            [SourceMeta(0, 0, 1)],
-            connection.server_infos,
-            connection.rank_infos,
-            connection.layouts,
-            connection.generation,
-        )[0]
+        assignment = sole_source_assignment(connection)
         if corrupt_session:  # what a rollout restart leaves in a stale plan: a session nobody listens on
             infos = {t: RemoteRankInfo("127.0.0.1:1", i.params) for t, i in assignment.rank_infos.items()}
             assignment = replace(assignment, rank_infos=infos)

@@ -6,7 +6,8 @@
 #   P2P_PROTOCOL=rdma|tcp        Mooncake transport (trainer side; the conf passes it to the rollout servers)
 #   P2P_DEVICE_NAME=mlx5_0,...   trainer-side RDMA NIC(s); the rollout side reads MOONCAKE_DEVICE
 #   CHECK_WEIGHTS=1              check_weight_update_equal: the first sync must reproduce the rollout's
-#                                checkpoint bit for bit (rollout loads real weights; no resume)
+#                                checkpoint bit for bit (rollout loads real weights; no resume unless RESUME=1,
+#                                when the check is skipped: a resumed trainer's weights differ by design)
 #   P2P_MANAGER=engine           use verl's stock CheckpointEngineManager (engine hooks only) instead of
 #                                verl_p2p's manager (matters for one_step_off; v1 always uses the stock one)
 #   P2P_PRINT_COMMAND=1          print the python arguments (NUL-separated) instead of running them
@@ -34,8 +35,10 @@ p2p_overrides() {
         P2P_OVERRIDES+=(
             "${P2P_KWARGS}.check_weight_update_equal=true"
             actor_rollout_ref.rollout.load_format=auto
-            trainer.resume_mode=disable
         )
+        # a resumed trainer's weights differ from the checkpoint by design: the check then runs in its resumed
+        # mode (skipped, logged); otherwise resuming is off so the first sync really is checked
+        [[ "${RESUME:-0}" == 1 ]] || P2P_OVERRIDES+=(trainer.resume_mode=disable)
     fi
     if [[ "${P2P_MANAGER:-p2p}" == engine ]]; then
         P2P_OVERRIDES+=(actor_rollout_ref.rollout.checkpoint_manager_class=null)

@@ -1,21 +1,28 @@
 #!/usr/bin/env bash
-# The tiny GRPO run on the 2-GPU H200 machine, in one device call (at most 10 minutes):
+# One tiny GRPO run on the H200 machine, in one device call (at most 10 minutes), with the checks around it:
 #   1. unpack the stack carried in earlier calls (scripts/gpu_wheels.sh parts in $STACK, default /tmp/stack; a part
 #      this call carries in .gpu-grpo/ is copied there first),
-#   2. write the tiny model and data (recipes/tiny/make_tiny.py),
-#   3. run recipes/tiny_grpo_2gpu.sh (verl one_step_off, Megatron on one GPU, SGLang on the other, p2p syncs, the
-#      first one checked) with scripts/grpo_check.py beside it: `probe` records the rollout's greedy output at each
-#      weight version; `fresh` starts a plain SGLang server on the trainer's HF export of step STEPS-1,
-#   4. compare the two greedy outputs and write $OUT/summary.json (scripts/grpo_check.py summary).
-# Everything under $OUT comes back: setup.log run.log metrics.jsonl probe.json compare.json fresh_server.log
-# summary.json. Exit 0 only when the summary's "ok" is true. Arguments are extra Hydra overrides for the recipe.
+#   2. write the model and data (recipes/tiny/make_tiny.py; SHAPE=tiny|qwen3-4b, LAYERS) unless KEEP_TINY=1,
+#   3. run the recipe (RUN=one_step_off: recipes/tiny_grpo_2gpu.sh; RUN=fully_async: recipes/tiny_fully_async_2gpu.sh)
+#      with scripts/grpo_check.py beside it: `probe` records the rollout's greedy output and checksums at each
+#      weight version; `fresh` starts a plain SGLang server on the trainer's HF export of step FRESH_STEP and
+#      compares it with the rollout's version holding those weights (one_step_off: FRESH_STEP+1; fully_async: the
+#      same number, its forced last save),
+#   4. write $OUT/summary.json (scripts/grpo_check.py summary).
+# On a machine with one GPU both pools share it (ONE_GPU=1, the pool-mapping stand-in; set by default when
+# nvidia-smi lists one GPU). RESUME_FROM=N: resume from the step-N checkpoint of the previous run (copied to a fresh
+# checkpoint folder, so the new run's exports do not mix with the old ones); the weight check then expects
+# `skipped`. Everything under $OUT comes back: setup.log run.log metrics.jsonl probe.json compare.json
+# fresh_server.log summary.json. Exit 0 only when the summary's "ok" is true. Arguments: extra Hydra overrides.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 OUT=${OUT:-/tmp/verl-p2p-grpo-out}
 STACK=${STACK:-/tmp/stack}
 SITE_ROOT=${SITE_ROOT:-/tmp}  # the stack unpacks to $SITE_ROOT/site
+RUN=${RUN:-one_step_off}
 STEPS=${STEPS:-4}
+SHAPE=${SHAPE:-tiny}
 BUDGET_S=${BUDGET_S:-570}  # whole script, inside the device's 600 s
 mkdir -p "$OUT"
 start=$SECONDS
@@ -27,8 +34,37 @@ export PYTHONPATH="$SITE_ROOT/site:$root" CUDA_HOME=${CUDA_HOME:-/usr/local/cuda
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=disabled RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled
 # memory on that machine grows as it is used (MemTotal reads small at first): no Ray OOM killer on stale numbers
 export RAY_memory_monitor_refresh_ms=0
-export TINY_DIR=/tmp/verl-p2p-tiny STEPS VERL_FILE_LOGGER_PATH="$OUT/metrics.jsonl"
-export CKPTS_DIR="$TINY_DIR/ckpts"
+export TINY_DIR=${TINY_DIR:-/tmp/verl-p2p-tiny} STEPS VERL_FILE_LOGGER_PATH="$OUT/metrics.jsonl"
+export CKPTS_DIR=${CKPTS_DIR:-$TINY_DIR/ckpts}
+if [[ -z "${ONE_GPU:-}" ]]; then
+    ONE_GPU=$([[ "$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')" == 1 ]] && echo 1 || echo 0)
+fi
+export ONE_GPU
+
+case "$RUN" in
+    one_step_off)
+        recipe=recipes/tiny_grpo_2gpu.sh mode=one_step_off
+        FRESH_STEP=${FRESH_STEP:-$((STEPS - 1))} FINAL_VERSION=${FINAL_VERSION:-$STEPS}
+        FRESH_VERSION=$((FRESH_STEP + 1))  # one step off: the sync after step N writes N's weights as version N+1
+        rows=$((8 * STEPS))
+        ;;
+    fully_async)
+        recipe=recipes/tiny_fully_async_2gpu.sh mode=fully_async
+        export VERSIONS=$STEPS
+        # the run's last save (forced at the end) is of the parameter version the rollout was synced to last
+        FRESH_STEP=${FRESH_STEP:-$STEPS} FINAL_VERSION=${FINAL_VERSION:-$STEPS} FRESH_VERSION=$FRESH_STEP
+        rows=$((8 * STEPS + 8))
+        ;;
+    *)
+        echo "RUN=$RUN: expected one_step_off or fully_async" >&2
+        exit 2
+        ;;
+esac
+expect_check=passed
+if [[ -n "${RESUME_FROM:-}" ]]; then
+    export RESUME=1
+    expect_check=skipped
+fi
 
 (
     echo "== unpack $(date -u +%T)"
@@ -48,26 +84,36 @@ import verl, ray, sglang, megatron.core, transformers, tokenizers, hydra  # noqa
 from mooncake.engine import TransferEngine  # noqa: F401
 import verl.trainer.main_ppo, verl.experimental.one_step_off_policy.main_ppo  # noqa: F401
 import verl_p2p.backend.engine, verl_p2p.backend.manager  # noqa: F401
-print({n: md.version(n) for n in ("verl", "ray", "sglang", "megatron-core", "megatron-bridge", "transformers",
-       "tokenizers", "torch", "mooncake-transfer-engine-cuda13")}, "gpus:", torch.cuda.device_count())
+print({n: md.version(n) for n in ("verl", "ray", "sglang", "megatron-core", "megatron-bridge", "megatron-energon",
+       "transformers", "tokenizers", "torch", "mooncake-transfer-engine-cuda13")}, "gpus:", torch.cuda.device_count())
 EOF
-    echo "== tiny model and data $(date -u +%T)"
-    rm -rf "$TINY_DIR"
-    python3 recipes/tiny/make_tiny.py "$TINY_DIR" --train $((8 * STEPS)) || exit 4
-    echo "== ready after $((SECONDS - start)) s"
+    if [[ "${KEEP_TINY:-0}" != 1 || ! -d "$TINY_DIR/model" ]]; then
+        echo "== model ($SHAPE) and data $(date -u +%T)"
+        rm -rf "$TINY_DIR"
+        python3 recipes/tiny/make_tiny.py "$TINY_DIR" --train "$rows" --shape "$SHAPE" ${LAYERS:+--layers "$LAYERS"} || exit 4
+    fi
+    if [[ -n "${RESUME_FROM:-}" ]]; then  # the previous run's checkpoint of step RESUME_FROM, alone in a new folder
+        src="$CKPTS_DIR/global_step_$RESUME_FROM"
+        [[ -d "$src" ]] || { echo "no checkpoint $src to resume from"; exit 5; }
+        rm -rf "$CKPTS_DIR.resumed" && mkdir -p "$CKPTS_DIR.resumed" && cp -a "$src" "$CKPTS_DIR.resumed/" || exit 5
+        echo "$RESUME_FROM" >"$CKPTS_DIR.resumed/latest_checkpointed_iteration.txt"
+    fi
+    echo "== ready after $((SECONDS - start)) s (ONE_GPU=$ONE_GPU)"
 ) >"$OUT/setup.log" 2>&1 || { echo "setup failed: see setup.log"; tail -40 "$OUT/setup.log"; exit 1; }
 cat "$OUT/setup.log"
+[[ -n "${RESUME_FROM:-}" ]] && export CKPTS_DIR="$CKPTS_DIR.resumed"
 
 done_file="$TINY_DIR/run.done"
+rm -f "$done_file"
 python3 scripts/grpo_check.py probe --out "$OUT/probe.json" --timeout "$(left)" >/dev/null 2>&1 &
 probe_pid=$!
-python3 scripts/grpo_check.py fresh --ckpts "$CKPTS_DIR" --step $((STEPS - 1)) --version "$STEPS" \
-    --probe "$OUT/probe.json" --done-file "$done_file" --out "$OUT/compare.json" --log "$OUT/fresh_server.log" \
-    --timeout "$(($(left) - 10))" >/dev/null 2>&1 &
+python3 scripts/grpo_check.py fresh --ckpts "$CKPTS_DIR" --step "$FRESH_STEP" --version "$FRESH_VERSION" \
+        --probe "$OUT/probe.json" --done-file "$done_file" --out "$OUT/compare.json" --log "$OUT/fresh_server.log" \
+        --timeout "$(($(left) - 10))" >/dev/null 2>&1 &
 fresh_pid=$!
 
-echo "== run (limit $(($(left) - 60)) s) $(date -u +%T)"
-timeout -k 10 $(($(left) - 60)) bash recipes/tiny_grpo_2gpu.sh "$@" >"$OUT/run.log" 2>&1
+echo "== run $RUN (limit $(($(left) - 60)) s) $(date -u +%T)"
+timeout -k 10 $(($(left) - 60)) bash "$recipe" "$@" >"$OUT/run.log" 2>&1
 rc=$?
 touch "$done_file"
 echo "== run exit $rc after $((SECONDS - start)) s"
@@ -77,7 +123,8 @@ wait "$fresh_pid"
 echo "== compare done after $((SECONDS - start)) s"
 
 python3 scripts/grpo_check.py summary --log "$OUT/run.log" --metrics "$OUT/metrics.jsonl" --probe "$OUT/probe.json" \
-    --compare "$OUT/compare.json" --steps "$STEPS" --rc "$rc" --out "$OUT/summary.json"
+    --compare "$OUT/compare.json" --steps "$STEPS" --rc "$rc" --out "$OUT/summary.json" --mode "$mode" \
+    --expect-check "$expect_check" ${FINAL_VERSION:+--final-version "$FINAL_VERSION"}
 ok=$?
 # files come back up to 16 MiB each: keep the head (config, start-up) and the tail (steps) of a long log
 for f in "$OUT/run.log" "$OUT/fresh_server.log"; do
@@ -85,5 +132,5 @@ for f in "$OUT/run.log" "$OUT/fresh_server.log"; do
         { head -c 3000000 "$f"; printf '\n[... cut ...]\n'; tail -c 11000000 "$f"; } >"$f.cut" && mv "$f.cut" "$f"
     fi
 done
-grep -E "step:[0-9]+ - |check_weight_update_equal|Traceback|Error" "$OUT/run.log" | tail -30
+grep -E "step:[0-9]+ - |check_weight_update_equal|p2p sync to version|Traceback|Error" "$OUT/run.log" | cut -c1-400 | tail -30
 exit $ok

@@ -55,14 +55,20 @@ verl=(verl==0.9.1 ray==2.60.0 hydra-core==1.3.8 omegaconf==2.3.1 tensordict==0.1
 # checkpoint (AutoBridge.save_hf_weights) imports ModelOpt's is_quantized, and ModelOpt imports pulp (its solver
 # binaries are dropped below); ModelOpt's scipy, nvidia-ml-py, ninja, rich are on the device.
 megatron=(megatron-core==0.19.2 megatron-bridge==0.6.2 nvidia-modelopt==0.44.0 pulp==3.3.2)
+# verl's make_megatron_module imports megatron.bridge.training.config, which imports Megatron-Energon (the bridge's
+# multimodal dataloader; the run never loads data through it). The real package and what its import needs; its s3fs /
+# aiobotocore needs are imported only when an s3:// path is opened, and stay behind.
+energon=(megatron-energon==7.4.1 multi-storage-client==1.3.1 webdataset==1.0.2 braceexpand==0.1.7 filetype==1.2.0
+    mfusepy==3.1.1 rapidyaml==0.15.2 deprecation==2.1.0 xattr==1.3.1 jmespath==1.1.0 wcmatch==10.1 bracex==2.6
+    lark==1.3.1 prettytable==3.17.0 wcwidth==0.2.14 pyroute2==0.9.7 tzdata==2025.3)
 
 wheels="$dest/wheels"
-stamp="$(printf '%s\n' "${sglang[@]}" "${verl[@]}" "${megatron[@]}" | sha256sum | cut -c1-16)"
+stamp="$(printf '%s\n' "${sglang[@]}" "${verl[@]}" "${megatron[@]}" "${energon[@]}" | sha256sum | cut -c1-16)"
 [[ "$(cat "$dest/.stamp" 2>/dev/null)" == "$stamp" ]] || rm -rf "$wheels"  # a changed list starts afresh
 rm -rf "$dest/site" "$dest"/part.*
 mkdir -p "$wheels"
 "$python" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${plat[@]}" \
-    -d "$wheels" "${sglang[@]}" "${verl[@]}" "${megatron[@]}"
+    -d "$wheels" "${sglang[@]}" "${verl[@]}" "${megatron[@]}" "${energon[@]}"
 # hydra's parser runtime is an sdist only: build its (pure-Python) wheel here.
 "$python" -m pip wheel -q --no-deps -w "$wheels" antlr4-python3-runtime==4.9.3
 echo "$stamp" >"$dest/.stamp"
@@ -80,6 +86,9 @@ rm -rf "$site"/bin "$site"/ray/jars "$site"/ray/dashboard/client "$site"/ray/tes
 # built for CPython 3.10 (never importable here) and serves TP>1 all-reduce only.
 rm -f "$site"/sgl_kernel/flash_ops.abi3.so "$site"/sgl_kernel/flashmla_ops.abi3.so "$site"/_mscclpp.cpython-310-*.so
 rm -rf "$site"/sgl_kernel/sm100 "$site"/lib
+# A process that sees no GPU (verl's rollout-side CheckpointEngineWorker imports sgl_kernel) looks for its ops under
+# sm100/: point that at the sm90 build, which loads on any x86-64 host (no sm100 GPU runs here).
+ln -s sm90 "$site"/sgl_kernel/sm100
 # Mooncake: only mooncake.engine (TransferEngine: engine.so + libasio + libetcd_wrapper) is used; not the store,
 # its master/client binaries, the torch process-group backend or expert parallelism.
 rm -f "$site"/mooncake/mooncake_client "$site"/mooncake/mooncake_master "$site"/mooncake/transfer_engine_bench \

@@ -1,13 +1,16 @@
 """Checks around the tiny GRPO run on the GPU machine (scripts/gpu_grpo_run.sh runs them beside the recipe).
 
 probe    beside the run: find verl's SGLang server actor (Ray namespace of recipes/tiny_grpo_2gpu.sh), and at every
-         new weight version ask the rollout for a greedy completion of fixed input_ids; a record counts only when
-         /model_info gives the same version before and after and the response carries it too (no sync in between).
+         new weight version ask the rollout for a greedy completion of fixed input_ids and the checksums of every
+         tensor it holds (`weights_checker checksum`); a record counts only when /model_info gives the same version
+         before and after and the response carries it too (no sync in between).
 fresh    once the trainer's HF export of step STEPS-1 is complete (one step off: the weights the rollout holds
          after the last sync, version STEPS), start a plain SGLang server on it with the rollout's server args, and
-         after the run compare its greedy output_ids with the rollout's for version STEPS.
+         after the run compare its greedy output_ids and checksums with the rollout's for version STEPS.
 summary  steps completed, each step's checkpoint_engine/p2p/* metrics (verl's file logger, else its console
-         lines), the first sync's weight check, the greedy comparison: one JSON file.
+         lines, else p2p's own "p2p sync to version N" log lines), the weight versions the rollout went through,
+         the first sync's weight check (passed, or skipped on a resumed trainer), the fresh-server comparison,
+         and for fully_async the parameter versions its samples carry: one JSON file.
 """
 
 from __future__ import annotations
@@ -52,6 +55,19 @@ def greedy(url: str) -> dict:
         "finish_reason": meta.get("finish_reason"),
         "weight_version": meta.get("weight_version"),
     }
+
+
+def checksums(url: str) -> dict[str, str] | None:
+    """{"tp<rank>:<tensor>": checksum} of every tensor the server holds (None where the route is missing)."""
+    try:
+        answer = http(f"{url}/weights_checker", {"action": "checksum"}, timeout=120)
+    except Exception:
+        return None
+    out: dict[str, str] = {}
+    for rank in answer.get("ranks") or []:
+        tp = rank.get("parallelism_info", {}).get("tp_rank", 0)
+        out.update({f"tp{tp}:{tensor}": value for tensor, value in rank.get("checksums", {}).items()})
+    return out or None
 
 
 def write_json(path: Path, obj) -> None:
@@ -106,6 +122,10 @@ def cmd_probe(args) -> int:
                 if stable:
                     second = greedy(url)
                     first["repeat_equal"] = second["output_ids"] == first["output_ids"]
+                    sums = checksums(url)
+                    if http(f"{url}/model_info", timeout=5).get("weight_version") != version:
+                        continue  # a sync came between: take this version again
+                    first["checksums"] = sums
                     first["t"] = time.time()
                     state["records"][str(version)] = first
                     seen = version
@@ -171,6 +191,7 @@ def cmd_fresh(args) -> int:
             time.sleep(1)
         fresh = greedy(url)
         fresh["repeat_equal"] = greedy(url)["output_ids"] == fresh["output_ids"]
+        fresh_sums = checksums(url)
         result["fresh"] = fresh
         probe = json.loads(Path(args.probe).read_text()) if Path(args.probe).exists() else {}
         rollout = probe.get("records", {}).get(str(args.version))
@@ -178,7 +199,14 @@ def cmd_fresh(args) -> int:
         if rollout is None:
             result["error"] = f"the probe recorded no rollout output at weight version {args.version}"
         else:
-            result["equal"] = rollout["output_ids"] == fresh["output_ids"] and bool(fresh["output_ids"])
+            rollout_sums = rollout.pop("checksums", None)
+            result["checksums_compared"] = len(fresh_sums or {})
+            differ = sorted(k for k in set(fresh_sums or {}) | set(rollout_sums or {})
+                            if (fresh_sums or {}).get(k) != (rollout_sums or {}).get(k))  # fmt: skip
+            result["checksums_equal"] = bool(fresh_sums) and not differ
+            result["checksums_differ"] = differ[:20]
+            result["greedy_equal"] = rollout["output_ids"] == fresh["output_ids"] and bool(fresh["output_ids"])
+            result["equal"] = result["greedy_equal"] and result["checksums_equal"]
     except Exception as exc:
         result["error"] = repr(exc)
     finally:
@@ -225,36 +253,100 @@ def step_metrics(metrics_jsonl: Path, log_text: str) -> tuple[dict[int, dict], s
     return steps, "console log"
 
 
+_P2P_SYNC_LINE = re.compile(r"p2p sync to version (\S+): (\{.*\})")
+CHECK_SKIPPED = "check_weight_update_equal skipped"
+
+
+def p2p_sync_lines(log_text: str) -> dict[str, dict]:
+    """p2p's own per-sync log line (backend/engine.py), keyed by version: the figures where verl drops them."""
+    out: dict[str, dict] = {}
+    for line in log_text.splitlines():
+        m = _P2P_SYNC_LINE.search(line)
+        if m:
+            try:
+                out[m.group(1)] = json.loads(m.group(2))
+            except ValueError:
+                continue
+    return out
+
+
+def weight_check(check_lines: list[str], expect: str) -> dict:
+    """The first sync's check: `passed` (compare passed, nothing failed) or `skipped` (a resumed trainer)."""
+    failed = [ln for ln in check_lines if "failed" in ln or "WeightCheckError" in ln]
+    passed = any(CHECK_PASSED in ln for ln in check_lines) and not failed
+    skipped = any(CHECK_SKIPPED in ln for ln in check_lines) and not failed
+    verdict = "passed" if passed else "skipped" if skipped else "failed" if failed else "missing"
+    return {"expected": expect, "verdict": verdict, "ok": verdict == expect, "log_lines": check_lines[:10]}
+
+
+def async_versions(trained: dict[int, dict]) -> dict:
+    """fully_async: the parameter version each training step's samples were generated with (verl's own counters),
+    and whether requests were in flight across syncs (partial rollouts)."""
+    rows = {
+        str(s): {
+            k: m[k]
+            for k in sorted(m)
+            if k.startswith(("fully_async/count/current_param_version", "fully_async/partial/"))
+        }
+        for s, m in sorted(trained.items())
+    }
+    current = [m.get("fully_async/count/current_param_version") for _, m in sorted(trained.items())]
+    known = [v for v in current if v is not None]
+    partial = [m.get("fully_async/partial/total_partial_num", 0.0) for m in trained.values()]
+    return {
+        "per_step": rows,
+        "versions_non_decreasing": bool(known) and all(a <= b for a, b in zip(known, known[1:], strict=False)),
+        "partial_rollouts": float(sum(partial)),
+    }
+
+
 def cmd_summary(args) -> int:
     log_text = Path(args.log).read_text(errors="replace") if Path(args.log).exists() else ""
     steps, source = step_metrics(Path(args.metrics), log_text)
     trained = {s: m for s, m in steps.items() if "training/global_step" in m}
     per_step = {s: {k: v for k, v in sorted(m.items()) if k.startswith(P2P_PREFIX)} for s, m in sorted(trained.items())}
+    syncs = p2p_sync_lines(log_text)
     # verl_p2p's checker lines ("check_weight_update_equal: <what happened>") and any WeightCheckError
-    marks = ("check_weight_update_equal: ", "WeightCheckError")
+    marks = ("check_weight_update_equal: ", CHECK_SKIPPED, "WeightCheckError")
     check_lines = [ln.strip()[:400] for ln in log_text.splitlines() if any(m in ln for m in marks)]
-    failed = [ln for ln in check_lines if "failed" in ln or "WeightCheckError" in ln]
     compare = json.loads(Path(args.compare).read_text()) if Path(args.compare).exists() else {}
     probe = json.loads(Path(args.probe).read_text()) if Path(args.probe).exists() else {}
+    records = probe.get("records", {})
+    probed = [v for v, _ in sorted(records.items(), key=lambda kv: kv[1].get("t", 0))]
+    versions_in_order = probed == sorted(probed, key=lambda v: (len(v), v))
     summary = {
+        "mode": args.mode,
         "run_exit_code": args.rc,
         "steps_expected": args.steps,
         "steps_completed": max(trained, default=0),
         "metrics_source": source,
-        "p2p_metrics_every_step": bool(per_step) and all(per_step.values()),
         "p2p_metrics": {str(s): m for s, m in per_step.items()},
-        "first_sync_weight_check": {
-            "passed": any(CHECK_PASSED in ln for ln in check_lines) and not failed,
-            "log_lines": check_lines[:10],
-        },
+        "p2p_sync_log": syncs,
+        "first_sync_weight_check": weight_check(check_lines, args.expect_check),
         "greedy_vs_fresh_server": compare,
-        "rollout_versions_probed": sorted(probe.get("records", {}), key=lambda v: (len(v), v)),
+        "rollout_versions_probed": probed,
+        "rollout_versions_in_order": versions_in_order,
+        "save_hook_lines": sum("transfer buffers released for save_checkpoint" in ln for ln in log_text.splitlines()),
     }
+    if args.mode == "fully_async":
+        summary["fully_async"] = async_versions(trained)
+        summary["p2p_syncs"] = len(syncs)
+        every = len(syncs) >= args.steps
+        versions_ok = summary["fully_async"]["versions_non_decreasing"]
+    else:
+        every = bool(per_step) and all(per_step.values())
+        versions_ok = True
+    summary["p2p_metrics_every_step"] = every
+    final = str(args.final_version) if args.final_version is not None else None
+    summary["final_version_probed"] = final is None or (bool(probed) and probed[-1] == final)
     summary["ok"] = bool(
         args.rc == 0
         and summary["steps_completed"] >= args.steps
-        and summary["p2p_metrics_every_step"]
-        and summary["first_sync_weight_check"]["passed"]
+        and every
+        and versions_ok
+        and versions_in_order
+        and summary["final_version_probed"]
+        and summary["first_sync_weight_check"]["ok"]
         and compare.get("equal")
     )
     write_json(Path(args.out), summary)
@@ -292,6 +384,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--steps", type=int, required=True)
     s.add_argument("--rc", type=int, required=True)
     s.add_argument("--out", required=True)
+    s.add_argument("--mode", choices=("one_step_off", "fully_async"), default="one_step_off")
+    s.add_argument("--expect-check", choices=("passed", "skipped"), default="passed")
+    s.add_argument("--final-version", help="the weight version the rollout must end at (one_step_off: STEPS)")
     args = parser.parse_args(argv)
     return {"probe": cmd_probe, "fresh": cmd_fresh, "summary": cmd_summary}[args.cmd](args)
 

@@ -33,7 +33,7 @@ def console(step: int, p2p: bool = True) -> str:
     return f"(OneStepTaskRunner pid=7) step:{step} - {metrics}"
 
 
-def run(tmp_path: Path, lines: list[str], equal: bool = True, rc: int = 0, jsonl: bool = False) -> dict:
+def run(tmp_path: Path, lines: list[str], equal: bool = True, rc: int = 0, jsonl: bool = False, *extra: str) -> dict:
     (tmp_path / "run.log").write_text("\n".join(lines) + "\n")
     if jsonl:
         rows = [
@@ -45,7 +45,7 @@ def run(tmp_path: Path, lines: list[str], equal: bool = True, rc: int = 0, jsonl
     args = [
         "summary", "--log", str(tmp_path / "run.log"), "--metrics", str(tmp_path / "metrics.jsonl"),
         "--probe", str(tmp_path / "probe.json"), "--compare", str(tmp_path / "compare.json"),
-        "--steps", "4", "--rc", str(rc), "--out", str(tmp_path / "summary.json"),
+        "--steps", "4", "--rc", str(rc), "--out", str(tmp_path / "summary.json"), *extra,
     ]  # fmt: skip
     grpo_check.main(args)
     return json.loads((tmp_path / "summary.json").read_text())
@@ -60,7 +60,7 @@ def test_complete_run_is_ok_with_every_steps_p2p_metrics(tmp_path):
         "checkpoint_engine/p2p/bytes": 2886144.0,
         "checkpoint_engine/p2p/seconds/total": 0.3,
     }
-    assert s["first_sync_weight_check"]["passed"] and s["rollout_versions_probed"] == ["0", "4", "10"]
+    assert s["first_sync_weight_check"]["verdict"] == "passed" and s["rollout_versions_probed"] == ["0", "4", "10"]
 
 
 def test_file_logger_is_preferred_over_console_lines(tmp_path):
@@ -147,7 +147,8 @@ def test_fresh_server_on_the_export_is_compared_with_the_last_rollout_version(tm
     hf.mkdir(parents=True)
     (hf / "config.json").write_text("{}")
     (ckpts / "global_step_3" / "actor" / "ckpt_contents.json").write_text("{}")
-    (tmp_path / "probe.json").write_text(json.dumps({"records": {"4": {"output_ids": expected("4")}}}))
+    record = {"output_ids": expected("4"), "checksums": {f"tp0:{k}": v for k, v in fake_server.checksums("4").items()}}
+    (tmp_path / "probe.json").write_text(json.dumps({"records": {"4": record}}))
     (tmp_path / "done").touch()
     version, port = tmp_path / "version", free_port()
     version.write_text(served_version)
@@ -161,6 +162,9 @@ def test_fresh_server_on_the_export_is_compared_with_the_last_rollout_version(tm
     rc = subprocess.run(args, timeout=90).returncode
     compare = json.loads((tmp_path / "compare.json").read_text())
     assert compare["equal"] is equal and rc == (0 if equal else 1)
+    assert (
+        compare["checksums_equal"] is equal and compare["greedy_equal"] is equal and compare["checksums_compared"] == 2
+    )
     assert compare["fresh"]["output_ids"] == expected(served_version) and compare["hf_dir"] == str(hf)
     with socket.socket() as s:  # the server (its own process group) is gone
         assert s.connect_ex(("127.0.0.1", port)) != 0
@@ -172,4 +176,49 @@ def test_config_dumps_and_override_lists_are_no_verdict(tmp_path):
         "Error executing job with overrides: ['...p2p.check_weight_update_equal=true']",
     ]
     s = run(tmp_path, noise + [console(i) for i in (1, 2, 3, 4)])
-    assert s["first_sync_weight_check"] == {"passed": False, "log_lines": []}
+    check = s["first_sync_weight_check"]
+    assert check["verdict"] == "missing" and not check["ok"] and check["log_lines"] == []
+
+
+SKIPPED = (
+    "(OneStepTaskRunner pid=7) INFO:verl_p2p.rollout.checker:check_weight_update_equal skipped: the trainer resumed "
+    "from a checkpoint, so its weights differ from the rollout's initial checkpoint by design"
+)
+
+
+def test_a_resumed_run_expects_the_check_skipped(tmp_path):
+    lines = [SKIPPED] + [console(i) for i in (1, 2, 3, 4)]
+    assert run(tmp_path, lines, True, 0, False, "--expect-check", "skipped")["ok"]
+    assert not run(tmp_path, lines)["ok"]  # a fresh run whose check was skipped is not ok
+    assert not run(tmp_path, [CHECKED] + lines[1:], True, 0, False, "--expect-check", "skipped")["ok"]
+
+
+def test_the_rollout_must_end_at_the_final_version(tmp_path):
+    lines = [CHECKED] + [console(i) for i in (1, 2, 3, 4)]
+    assert run(tmp_path, lines, True, 0, False, "--final-version", "10")["final_version_probed"]
+    s = run(tmp_path, lines, True, 0, False, "--final-version", "4")
+    assert not s["final_version_probed"] and not s["ok"]
+
+
+def sync_line(version: int) -> str:
+    body = json.dumps({"checkpoint_engine/p2p/bytes": 1000.0, "checkpoint_engine/p2p/seconds/total": 0.1})
+    return f"(FullyAsyncTrainer pid=9) INFO:verl_p2p.backend.engine:p2p sync to version {version}: {body}"
+
+
+def async_step(step: int, version: int, partial: float) -> str:
+    metrics = (
+        f"training/global_step:{step} - fully_async/count/current_param_version:{version}"
+        f" - fully_async/partial/total_partial_num:{partial}"
+    )
+    return f"(FullyAsyncTrainer pid=9) step:{step} - {metrics}"
+
+
+def test_fully_async_reads_p2p_sync_lines_and_the_samples_versions(tmp_path):
+    lines = [CHECKED] + [sync_line(v) for v in range(5)] + [async_step(s, s, 2.0 * (s % 2)) for s in (1, 2, 3, 4)]
+    s = run(tmp_path, lines, True, 0, False, "--mode", "fully_async")
+    assert s["ok"] and s["p2p_syncs"] == 5 and s["p2p_sync_log"]["3"]["checkpoint_engine/p2p/bytes"] == 1000.0
+    assert s["fully_async"]["versions_non_decreasing"] and s["fully_async"]["partial_rollouts"] == 4.0
+    back = [CHECKED] + [sync_line(v) for v in range(5)] + [async_step(s, 4 - s, 0.0) for s in (1, 2, 3, 4)]
+    assert not run(tmp_path, back, True, 0, False, "--mode", "fully_async")["ok"]  # versions going back
+    few = [CHECKED] + [sync_line(v) for v in range(2)] + [async_step(s, s, 0.0) for s in (1, 2, 3, 4)]
+    assert not run(tmp_path, few, True, 0, False, "--mode", "fully_async")["ok"]  # fewer syncs than steps

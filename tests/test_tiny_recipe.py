@@ -18,6 +18,7 @@ from test_hydra_recipes import check_p2p_config
 from verl_p2p.sandbox.te_free import te_free_overrides
 
 TINY = ROOT / "recipes" / "tiny_grpo_2gpu.sh"
+TINY_ASYNC = ROOT / "recipes" / "tiny_fully_async_2gpu.sh"
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +31,8 @@ def tiny_dir(tmp_path_factory) -> Path:
     return out
 
 
-def composed(**env: str):
-    module, args = recipe_command(TINY, **env)
+def composed(script: Path = TINY, **env: str):
+    module, args = recipe_command(script, **env)
     cfg = compose_config(module, args)
     return module, args, cfg
 
@@ -78,6 +79,8 @@ def test_tiny_recipe_is_one_trainer_gpu_and_one_checked_tcp_replica():
     assert env["MOONCAKE_PROTOCOL"] == "tcp"
     assert cfg.ray_kwargs.ray_init.namespace == "verl_p2p_tiny"
     assert set(te_free_overrides()) <= set(args)  # the TE-free Megatron's overrides, all of them
+    # packing off for the ref worker too: it reads the model's flag (a probe run failed on it)
+    assert cfg.actor_rollout_ref.model.use_remove_padding is False
 
 
 def test_tiny_recipe_passes_verls_config_validation():
@@ -92,6 +95,93 @@ def test_tiny_recipe_passes_verls_config_validation():
     engine = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor.megatron)
     assert isinstance(engine, McoreEngineConfig) and engine.use_remove_padding is False
     assert cfg.actor_rollout_ref.ref.megatron.override_transformer_config.transformer_impl == "local"
+
+
+# the runs of the one-GPU H200 (pool mapping) and of the 2-GPU host, each as verl composes and validates it
+VARIANTS = {
+    "one_step_off-2gpu": (TINY, {}),
+    "one_step_off-1gpu": (TINY, {"ONE_GPU": "1"}),
+    "one_step_off-1gpu-resume": (
+        TINY,
+        {"ONE_GPU": "1", "RESUME": "1", "SAVE_CONTENTS": "['model','optimizer','extra']"},
+    ),
+    "one_step_off-1gpu-mooncake": (TINY, {"ONE_GPU": "1", "BACKEND": "mooncake"}),
+    "fully_async-1gpu": (TINY_ASYNC, {"ONE_GPU": "1"}),
+    "fully_async-2gpu": (TINY_ASYNC, {}),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_every_run_of_the_gpu_report_passes_verls_config_validation(variant):
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    script, env = VARIANTS[variant]
+    module, args, cfg = composed(script, **env)
+    ray_init = cfg.ray_kwargs.ray_init
+    env_vars = OmegaConf.to_container(ray_init.runtime_env.env_vars, resolve=True)
+    if env.get("ONE_GPU") == "1":  # the stand-in pool mapping: two GPU slots, each worker mapped onto the one device
+        assert ray_init.num_gpus == 2 and env_vars["VERL_P2P_ONE_GPU"] == "1"
+    else:
+        assert ray_init.get("num_gpus") is None and "VERL_P2P_ONE_GPU" not in env_vars
+    assert (cfg.trainer.n_gpus_per_node, cfg.rollout.n_gpus_per_node) == (1, 1)  # one GPU per pool either way
+    engine = cfg.actor_rollout_ref.rollout.checkpoint_engine
+    if env.get("BACKEND") == "mooncake":
+        assert engine.backend == "mooncake" and env_vars["MC_FORCE_TCP"] == "1"
+        assert not cfg.actor_rollout_ref.rollout.get("checkpoint_manager_class")  # verl's stock manager
+    else:
+        check_p2p_config(cfg, module)
+        assert engine.engine_kwargs["verl_p2p"]["check_weight_update_equal"] is True
+    assert cfg.trainer.resume_mode == ("auto" if env.get("RESUME") == "1" or env.get("BACKEND") else "disable")
+    if env.get("SAVE_CONTENTS"):
+        assert list(cfg.actor_rollout_ref.actor.checkpoint.save_contents) == ["model", "optimizer", "extra"]
+    if script == TINY_ASYNC:
+        assert module == "verl.experimental.fully_async_policy.fully_async_main"
+        assert cfg.async_training.partial_rollout is True and cfg.async_training.trigger_parameter_sync_step == 1
+        assert cfg.rollout.total_rollout_steps == 8 * 6 and cfg.trainer.save_freq > 6  # one save, forced at the end
+        # what verl's fully_async rollouter validates (its _validate_config and __init__ asserts); verl's PPO
+        # validate_config is not called by fully_async and refuses the train_batch_size 0 that fully_async requires
+        assert cfg.data.train_batch_size == 0 and cfg.actor_rollout_ref.rollout.calculate_log_probs is True
+        return
+    cfg = task_config(cfg)
+    validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+
+
+def test_one_gpu_mapping_points_every_ray_gpu_slot_at_the_one_device():
+    spec = importlib.util.spec_from_file_location(
+        "tiny_run_setup_for_test", ROOT / "recipes" / "tiny" / "tiny_run_setup.py"
+    )
+    setup = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(setup)
+    env = {"VERL_P2P_ONE_GPU": "1", "CUDA_VISIBLE_DEVICES": "1"}
+    assert setup.map_onto_one_gpu(env) == "1" and env["CUDA_VISIBLE_DEVICES"] == "0"
+    env = {"VERL_P2P_ONE_GPU": "1", "CUDA_VISIBLE_DEVICES": "0"}
+    assert setup.map_onto_one_gpu(env) is None and env["CUDA_VISIBLE_DEVICES"] == "0"
+    env = {"CUDA_VISIBLE_DEVICES": "1"}  # 2-GPU host: untouched
+    assert setup.map_onto_one_gpu(env) is None and env["CUDA_VISIBLE_DEVICES"] == "1"
+    env = {"VERL_P2P_ONE_GPU": "1"}  # the driver, no GPU given by Ray: untouched
+    assert setup.map_onto_one_gpu(env) is None and "CUDA_VISIBLE_DEVICES" not in env
+
+
+def test_qwen3_4b_shape_has_real_widths_and_a_few_gb():
+    spec = importlib.util.spec_from_file_location("make_tiny_for_test", ROOT / "recipes" / "tiny" / "make_tiny.py")
+    make_tiny = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_tiny)
+    from verl_p2p.sandbox.tiny import hf_tensor_shapes
+
+    cfg = make_tiny.model_config("qwen3-4b")
+    numel = sum(int(torch_prod(shape)) for _, shape in hf_tensor_shapes(cfg))
+    assert (cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]) == (2560, 9728, 151936)
+    assert cfg["tie_word_embeddings"] and cfg["num_hidden_layers"] == 8
+    assert 2.0e9 < 2 * numel < 3.0e9  # bf16 bytes: a few GB
+    assert make_tiny.model_config("tiny") == make_tiny.MODEL and len(make_tiny.vocabulary(cfg["vocab_size"])) == 151936
+
+
+def torch_prod(shape) -> int:
+    out = 1
+    for d in shape:
+        out *= d
+    return out
 
 
 def test_tiny_model_and_data_load_like_verls_trainer(tiny_dir):

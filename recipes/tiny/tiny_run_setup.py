@@ -1,14 +1,31 @@
-"""Imported by verl in every process of the tiny GRPO run (VERL_USE_EXTERNAL_MODULES=tiny_run_setup).
+"""Imported by verl in every process of the tiny GRPO runs (VERL_USE_EXTERNAL_MODULES=tiny_run_setup).
 
 - Megatron without transformer_engine where TE is missing (verl_p2p.sandbox.te_free; a no-op where TE exists).
 - verl_p2p's INFO lines in the run's log: the plan, and check_weight_update_equal's verdict on the first sync
   ("compare passed on N replica(s)"), which scripts/grpo_check.py reads. verl configures the root logger at
   WARNING; the records reach its handler through propagation.
+- The one-GPU pool mapping, a STAND-IN for the second GPU (VERL_P2P_ONE_GPU=1, set by tiny/tiny_args.sh's
+  ONE_GPU=1): Ray is told the node has two GPUs, so verl's trainer pool and rollout pool each get one; Ray then
+  hands a worker GPU id "0" or "1", and both are the one physical device. Runs before the worker touches CUDA.
 """
 
 import logging
+import os
 
 from verl_p2p.sandbox import te_free
 
+ONE_GPU_FLAG = "VERL_P2P_ONE_GPU"
+
+
+def map_onto_one_gpu(environ=os.environ) -> str | None:
+    """Point the GPU slot Ray gave this process at the one device; returns what was replaced (None: untouched)."""
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if environ.get(ONE_GPU_FLAG) != "1" or visible in (None, "", "0"):
+        return None
+    environ["CUDA_VISIBLE_DEVICES"] = "0"
+    return visible
+
+
+map_onto_one_gpu()
 te_free.enable()
 logging.getLogger("verl_p2p").setLevel(logging.INFO)

@@ -30,6 +30,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import hashlib
+import json
 import logging
 from collections.abc import Coroutine, Generator, Mapping
 from typing import Any
@@ -181,9 +182,12 @@ class P2PCheckpointEngine(CheckpointEngine):
             raise PushError(f"p2p push to version {global_steps} failed: {text}", unknown_targets=unknown) from error
         if not self.is_master:
             return {}
-        return p2p_metrics.sync_metrics(
+        metrics = p2p_metrics.sync_metrics(
             [m for _, m, _, _ in outcomes], {"generation": float(self._assignment.generation)}
         )
+        # verl's fully_async trainer drops update_weights' metrics: the log keeps every sync's figures
+        logger.info("p2p sync to version %s: %s", global_steps, json.dumps(metrics, sort_keys=True))
+        return metrics
 
     def _unknown_after(self, error: BaseException | None) -> list[Any]:
         """The targets this rank's failed push left unknown: those the error names, else all it writes."""

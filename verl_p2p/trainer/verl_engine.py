@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -30,6 +31,8 @@ from verl_p2p.errors import P2PError
 from verl_p2p.trainer.export import ExportMode, ModeChoice, StageExporter, choose_export_mode
 
 ENGINE_PATH = "worker.actor.engine"
+
+logger = logging.getLogger(__name__)
 
 
 class EngineAccessError(P2PError):
@@ -169,10 +172,12 @@ def release_buffers_around_save(engine: Any, buffers: ReleasableBuffers) -> Save
     @functools.wraps(original)
     def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
         buffers.release()
+        logger.info("p2p: transfer buffers released for save_checkpoint")
         try:
             return original(*args, **kwargs)
         finally:
             buffers.restore()
+            logger.info("p2p: transfer buffers restored after save_checkpoint")
 
     save_checkpoint.__p2p_save_hook__ = hook  # type: ignore[attr-defined]
     engine.save_checkpoint = save_checkpoint

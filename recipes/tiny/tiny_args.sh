@@ -1,0 +1,138 @@
+# shellcheck shell=bash
+# Shared by the tiny GRPO recipes (tiny_grpo_2gpu.sh: one_step_off; tiny_fully_async_2gpu.sh: fully_async): the
+# model and data, the TE-free Megatron, SGLang's kernel choices, the Ray workers' environment, the pool mapping and
+# the weight-sync backend. Sets TINY_ARGS (Hydra overrides) and TINY_SYNC_ARGS (the backend's). Source after
+# common.sh.
+#
+# Environment (all optional):
+#   ONE_GPU=1                both pools on ONE GPU (a stand-in for the second GPU, named as one): Ray is told the
+#                            node has 2 GPUs and every process it starts is mapped onto the one physical device
+#                            (tiny/tiny_run_setup.py); without it the run needs 2 GPUs, one per pool
+#   BACKEND=p2p|mooncake|nixl weight sync: p2p (this package, default) or verl's own engine, same run otherwise
+#   STEPS, SAVE_FREQ, RESUME=1  training steps; save every SAVE_FREQ steps (default STEPS-1); resume from the latest
+#                            checkpoint in CKPTS_DIR (the weight check then runs in its resumed mode: skipped)
+#   SAVE_CONTENTS            what a save holds (default the HF model only)
+
+TINY_DIR=${TINY_DIR:-/tmp/verl-p2p-tiny}
+MODEL_PATH=${MODEL_PATH:-$TINY_DIR/model}
+TRAIN_FILE=${TRAIN_FILE:-$TINY_DIR/data/train.parquet}
+TEST_FILE=${TEST_FILE:-$TINY_DIR/data/val.parquet}
+CKPTS_DIR=${CKPTS_DIR:-$TINY_DIR/ckpts}
+STEPS=${STEPS:-4}
+SAVE_FREQ=${SAVE_FREQ:-$((STEPS > 1 ? STEPS - 1 : 1))}
+BACKEND=${BACKEND:-p2p}
+BATCH=${BATCH:-8}
+# what a save writes: the HF model (the fresh-server comparison reads it); a run to be resumed also needs
+# SAVE_CONTENTS="['model','optimizer','extra']"
+SAVE_CONTENTS=${SAVE_CONTENTS:-"['model']"}
+
+# Every process verl starts imports recipes/tiny/tiny_run_setup.py (TE-free Megatron, verl_p2p's INFO lines, the
+# one-GPU mapping).
+export PYTHONPATH="$P2P_ROOT/recipes/tiny:$P2P_ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export VERL_USE_EXTERNAL_MODULES=tiny_run_setup
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=disabled RAY_USAGE_STATS_ENABLED=0
+# NVLink multicast stays off on shared multi-GPU hosts (NCCL, PyTorch symmetric memory, NVSHMEM).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+RAY_ENV=ray_kwargs.ray_init.runtime_env.env_vars
+MEGATRON=actor_rollout_ref.actor.megatron
+SGLANG=actor_rollout_ref.rollout.engine_kwargs.sglang
+
+TINY_ARGS=(
+    algorithm.adv_estimator=grpo
+    algorithm.use_kl_in_reward=false
+    data.train_files="$TRAIN_FILE"
+    data.val_files="$TEST_FILE"
+    data.max_prompt_length=64
+    data.max_response_length=32
+    data.dataloader_num_workers=2
+    actor_rollout_ref.hybrid_engine=false
+    actor_rollout_ref.model.path="$MODEL_PATH"
+    # BSHD batches for the actor (its megatron config, the ref's follows it) AND the ref worker, which reads the
+    # model's flag (the TE-free Megatron has no packed-sequence attention)
+    actor_rollout_ref.model.use_remove_padding=false
+    $MEGATRON.use_remove_padding=false
+    actor_rollout_ref.actor.optim.lr=1e-3
+    actor_rollout_ref.actor.ppo_mini_batch_size=$BATCH
+    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8
+    actor_rollout_ref.actor.use_kl_loss=true
+    actor_rollout_ref.actor.kl_loss_coef=0.001
+    actor_rollout_ref.actor.checkpoint.save_contents="$SAVE_CONTENTS"
+    $MEGATRON.tensor_model_parallel_size=1
+    $MEGATRON.pipeline_model_parallel_size=1
+    actor_rollout_ref.ref.megatron.tensor_model_parallel_size=1
+    actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8
+    actor_rollout_ref.rollout.n=4
+    actor_rollout_ref.rollout.tensor_model_parallel_size=1
+    actor_rollout_ref.rollout.gpu_memory_utilization=0.3
+    actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8
+    actor_rollout_ref.rollout.enforce_eager=true
+    actor_rollout_ref.rollout.agent.num_workers=2
+    rollout.nnodes=1
+    rollout.n_gpus_per_node=1
+    reward.num_workers=2
+    reward.custom_reward_function.path="$P2P_ROOT/recipes/tiny/reward.py"
+    reward.custom_reward_function.name=compute_score
+    trainer.nnodes=1
+    trainer.n_gpus_per_node=1
+    trainer.project_name=verl-p2p
+    trainer.logger='["console","file"]'
+    trainer.default_local_dir="$CKPTS_DIR"
+    trainer.total_epochs=1
+    trainer.save_freq=$SAVE_FREQ
+    trainer.test_freq=-1
+    # SGLang 0.5.12 with the kernel wheel stripped of FlashAttention-3/FlashMLA: triton attention, torch sampling
+    +$SGLANG.attention_backend=triton
+    +$SGLANG.sampling_backend=pytorch
+    +$SGLANG.disable_cuda_graph=true
+    +$SGLANG.grammar_backend=none
+    # Megatron without transformer_engine (verl_p2p.sandbox.te_free.te_free_overrides): no fusions, local layers
+    +$MEGATRON.override_transformer_config.gradient_accumulation_fusion=false
+    +$MEGATRON.override_transformer_config.masked_softmax_fusion=false
+    +$MEGATRON.override_transformer_config.persist_layer_norm=false
+    +$MEGATRON.override_transformer_config.apply_rope_fusion=false
+    +$MEGATRON.override_transformer_config.bias_activation_fusion=false
+    +$MEGATRON.override_transformer_config.bias_dropout_fusion=false
+    +$MEGATRON.override_transformer_config.transformer_impl=local
+    # The same in every Ray worker, explicitly (they also inherit this shell's environment)
+    "+$RAY_ENV.NCCL_NVLS_ENABLE='0'"
+    "+$RAY_ENV.TORCH_SYMM_MEM_DISABLE_MULTICAST='1'"
+    "+$RAY_ENV.NVSHMEM_DISABLE_NVLS='1'"
+    "+$RAY_ENV.VERL_USE_EXTERNAL_MODULES=tiny_run_setup"
+    "+$RAY_ENV.HF_HUB_OFFLINE='1'"
+    # a named namespace: scripts/grpo_check.py finds the rollout's server actor from beside the run
+    +ray_kwargs.ray_init.namespace=verl_p2p_tiny
+)
+
+if [[ "${RESUME:-0}" == 1 ]]; then
+    TINY_ARGS+=(trainer.resume_mode=auto)
+fi
+
+# The pool mapping (stand-in): Ray starts with two GPU slots on a one-GPU node; tiny_run_setup.py maps the slot Ray
+# hands a worker onto the one device. Ray refuses num_gpus=2 while the driver's CUDA_VISIBLE_DEVICES names one GPU.
+if [[ "${ONE_GPU:-0}" == 1 ]]; then
+    unset CUDA_VISIBLE_DEVICES
+    TINY_ARGS+=(+ray_kwargs.ray_init.num_gpus=2 "+$RAY_ENV.VERL_P2P_ONE_GPU='1'")
+fi
+
+# The weight-sync backend. p2p: this package's overlay and toggles (common.sh). verl's own engines: the same run
+# with verl's stock manager; Mooncake is told to use TCP where the host has no RDMA NIC (verl's engine asks for rdma).
+case "$BACKEND" in
+    p2p)
+        p2p_overrides
+        TINY_SYNC_ARGS=("hydra.searchpath=[pkg://verl.trainer.config,file://$P2P_ROOT/conf]" +p2p=default
+            "${P2P_OVERRIDES[@]}")
+        ;;
+    mooncake | nixl)
+        # verl's own search path (file://verl/trainer/config) resolves only from a verl checkout
+        TINY_SYNC_ARGS=("hydra.searchpath=[pkg://verl.trainer.config]"
+            actor_rollout_ref.rollout.checkpoint_engine.backend="$BACKEND")
+        if [[ "$BACKEND" == mooncake && "${P2P_PROTOCOL:-tcp}" == tcp ]]; then
+            export MC_FORCE_TCP=1
+            TINY_SYNC_ARGS+=("+$RAY_ENV.MC_FORCE_TCP='1'")
+        fi
+        ;;
+    *)
+        echo "BACKEND=$BACKEND: expected p2p, mooncake or nixl" >&2
+        exit 2
+        ;;
+esac

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# GRPO on the tiny local Qwen3 with verl's fully_async_policy trainer: the rollouter generates continuously on one
+# SGLang replica (TP=1) while the Megatron trainer (TP=1) trains; partial rollout is on, so requests are in flight
+# when a sync starts (verl aborts them, p2p writes, they resume on the new weights). Every weight sync goes through
+# checkpoint_engine.backend=p2p driven by verl's stock CheckpointEngineManager (the engine hooks: fully_async does
+# not read checkpoint_manager_class), one sync per training step (trigger_parameter_sync_step=1), the first one
+# checked bit for bit. VERSIONS parameter versions (default 6). ONE_GPU=1: both pools on one GPU (stand-in pool
+# mapping, tiny/tiny_args.sh). Model and data: tiny/make_tiny.py with --train >= 8 * VERSIONS.
+set -euo pipefail
+CHECK_WEIGHTS=${CHECK_WEIGHTS:-1}
+P2P_PROTOCOL=${P2P_PROTOCOL:-tcp}
+VERSIONS=${VERSIONS:-6}
+STEPS=$VERSIONS
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+source "$P2P_ROOT/recipes/tiny/tiny_args.sh"
+
+ARGS=(
+    # one prompt per rollout step; a training step takes ppo_mini_batch_size prompts (x rollout.n samples)
+    data.train_batch_size=0
+    data.gen_batch_size=1
+    rollout.total_rollout_steps=$((BATCH * VERSIONS))
+    async_training.trigger_parameter_sync_step=1
+    async_training.require_batches=1
+    async_training.staleness_threshold=0.5
+    async_training.partial_rollout=true
+    async_training.concurrent_samples_per_replica=16
+    actor_rollout_ref.rollout.calculate_log_probs=true
+    actor_rollout_ref.actor.use_rollout_log_probs=true
+    trainer.experiment_name=tiny-fully-async-${BACKEND}
+    trainer.val_before_train=false
+    # one save, forced at the end (verl saves then whenever save_freq > 0): the last synced version's weights
+    trainer.save_freq=1000
+)
+p2p_launch verl.experimental.fully_async_policy.fully_async_main --config-name=fully_async_ppo_megatron_trainer \
+    "${TINY_SYNC_ARGS[@]}" "${TINY_ARGS[@]}" "${ARGS[@]}" "$@"

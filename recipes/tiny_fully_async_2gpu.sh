@@ -20,12 +20,20 @@ ARGS=(
     data.gen_batch_size=1
     rollout.total_rollout_steps=$((BATCH * VERSIONS))
     async_training.trigger_parameter_sync_step=1
+    # the LR schedule's length: verl's fully_async trainer builds the actor's optimizer before the rollouter has
+    # counted the training steps (set_total_train_steps comes after init_workers), so the optimizer config would
+    # keep its placeholder -1 and megatron's scheduler asserts lr_decay_steps > 0 (seen on the H200)
+    trainer.total_training_steps=$VERSIONS
+    actor_rollout_ref.actor.optim.total_training_steps=$VERSIONS
     async_training.require_batches=1
     async_training.staleness_threshold=0.5
     async_training.partial_rollout=true
     async_training.concurrent_samples_per_replica=16
     actor_rollout_ref.rollout.calculate_log_probs=true
     actor_rollout_ref.actor.use_rollout_log_probs=true
+    # Ray's logical CPU slots: verl's FullyAsyncRollouter actor asks for 10 CPUs, the task runner, trainer, workers,
+    # agent and reward loops for more; on a 16-core host the rollouter was never scheduled and the run hung (H200)
+    +ray_kwargs.ray_init.num_cpus=${RAY_CPUS:-48}
     trainer.experiment_name=tiny-fully-async-${BACKEND}
     trainer.val_before_train=false
     # one save, forced at the end (verl saves then whenever save_freq > 0): the last synced version's weights

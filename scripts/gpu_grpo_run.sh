@@ -13,7 +13,8 @@
 # nvidia-smi lists one GPU). RESUME_FROM=N: resume from the step-N checkpoint of the previous run (copied to a fresh
 # checkpoint folder, so the new run's exports do not mix with the old ones); the weight check then expects
 # `skipped`. Everything under $OUT comes back: setup.log run.log metrics.jsonl probe.json compare.json
-# fresh_server.log summary.json. Exit 0 only when the summary's "ok" is true. Arguments: extra Hydra overrides.
+# fresh_server.log summary.json (PACK=1: summary.json and logs.tgz of the rest, for several runs in one call).
+# Exit 0 only when the summary's "ok" is true. Arguments: extra Hydra overrides.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -46,7 +47,7 @@ case "$RUN" in
         recipe=recipes/tiny_grpo_2gpu.sh mode=one_step_off
         FRESH_STEP=${FRESH_STEP:-$((STEPS - 1))} FINAL_VERSION=${FINAL_VERSION:-$STEPS}
         FRESH_VERSION=$((FRESH_STEP + 1))  # one step off: the sync after step N writes N's weights as version N+1
-        rows=$((8 * STEPS))
+        rows=$((8 * STEPS + 16))  # one_step_off prefetches a batch: a resumed run needs data past STEPS
         ;;
     fully_async)
         recipe=recipes/tiny_fully_async_2gpu.sh mode=fully_async
@@ -133,4 +134,7 @@ for f in "$OUT/run.log" "$OUT/fresh_server.log"; do
     fi
 done
 grep -E "step:[0-9]+ - |check_weight_update_equal|p2p sync to version|Traceback|Error" "$OUT/run.log" | cut -c1-400 | tail -30
+if [[ "${PACK:-0}" == 1 ]]; then  # several runs in one call: at most 8 files come back, so one archive per run
+    (cd "$OUT" && tar czf logs.tgz --exclude=summary.json --exclude=logs.tgz ./* && find . -type f ! -name summary.json ! -name logs.tgz -delete)
+fi
 exit $ok

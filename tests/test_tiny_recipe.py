@@ -139,6 +139,10 @@ def test_every_run_of_the_gpu_report_passes_verls_config_validation(variant):
         assert module == "verl.experimental.fully_async_policy.fully_async_main"
         assert cfg.async_training.partial_rollout is True and cfg.async_training.trigger_parameter_sync_step == 1
         assert cfg.rollout.total_rollout_steps == 8 * 6 and cfg.trainer.save_freq > 6  # one save, forced at the end
+        # the optimizer is built before verl's rollouter counts the steps: the schedule's length is set up front
+        assert cfg.actor_rollout_ref.actor.optim.total_training_steps == 6
+        # verl's rollouter actor alone asks for 10 CPUs: Ray is given enough logical slots to schedule it
+        assert ray_init.num_cpus >= 32
         # what verl's fully_async rollouter validates (its _validate_config and __init__ asserts); verl's PPO
         # validate_config is not called by fully_async and refuses the train_batch_size 0 that fully_async requires
         assert cfg.data.train_batch_size == 0 and cfg.actor_rollout_ref.rollout.calculate_log_probs is True

@@ -1,0 +1,60 @@
+"""scripts/grpo_report.py: a GPU GRPO run's folder (plain files, or summary.json beside PACK=1's logs.tgz) becomes
+the report's JSON, table and plot; the figures come from verl's own metrics, the verdicts from the summary."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import tarfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("grpo_report", ROOT / "scripts" / "grpo_report.py")
+grpo_report = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(grpo_report)
+
+
+def write_run(folder: Path, sync_s: list[float], paused: bool, ok: bool = True, pack: bool = False) -> Path:
+    folder.mkdir(parents=True)
+    rows = [{"step": 0, "data": {"val-core/x": 0.0}}]
+    for step, seconds in enumerate(sync_s, start=1):
+        data = {"training/global_step": step, "timing_s/update_weights": seconds, "critic/rewards/mean": step / 10}
+        if paused:
+            data.update({"checkpoint_engine/p2p/phase/total_s": seconds / 2, "checkpoint_engine/p2p/bytes": 100.0})
+        rows.append({"step": step, "data": data})
+    summary = {"ok": ok, "steps_completed": len(sync_s), "first_sync_weight_check": {"verdict": "passed"}}
+    summary["greedy_vs_fresh_server"] = {"greedy_equal": ok, "checksums_equal": ok, "checksums_compared": 19}
+    (folder / "summary.json").write_text(json.dumps(summary))
+    metrics = folder / "metrics.jsonl"
+    metrics.write_text("\n".join(json.dumps(r) for r in rows))
+    if pack:
+        with tarfile.open(folder / "logs.tgz", "w:gz") as tar:
+            tar.add(metrics, arcname="./metrics.jsonl")
+        metrics.unlink()
+    return folder
+
+
+def test_two_runs_side_by_side_with_the_steady_state_ratio(tmp_path):
+    p2p = write_run(tmp_path / "p2p", [5.0, 1.0, 1.0, 1.2], paused=True)
+    verl = write_run(tmp_path / "mooncake", [6.0, 3.0, 3.0, 3.6], paused=False, pack=True)
+    out = tmp_path / "out"
+    rc = grpo_report.main(
+        [str(p2p), str(verl), "--names", "p2p,mooncake", "--command", "A", "--command", "B", "--device-seconds", "300",
+         "--out-dir", str(out), "--table", "t.md", "--png", "plot.png"]
+    )  # fmt: skip
+    assert rc == 0
+    rep = json.loads((out / "p2p.json").read_text())
+    assert rep["command"] == "A" and rep["device_seconds"] == 300.0 and rep["checks"]["fresh_server_checksums_equal"]
+    assert [s["sync_s"] for s in rep["steps"]] == [5.0, 1.0, 1.0, 1.2] and rep["steady_sync_s_median"] == 1.0
+    assert rep["steps"][0]["paused_s"] == 2.5 and rep["steps"][0]["bytes"] == 100.0
+    other = json.loads((out / "mooncake.json").read_text())  # its metrics came out of logs.tgz
+    assert other["steady_sync_s_median"] == 3.0 and other["steps"][1]["paused_s"] is None
+    table = (out / "t.md").read_text()
+    assert "| 2 | 1.000 | 0.500 | 100 | 3.000 | - | - |" in table and "mooncake / p2p = 3.00" in table
+    assert (out / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_failed_run_makes_the_report_fail(tmp_path):
+    bad = write_run(tmp_path / "bad", [1.0, 1.0], paused=True, ok=False)
+    assert grpo_report.main([str(bad), "--names", "bad", "--out-dir", str(tmp_path / "out")]) == 1
+    assert json.loads((tmp_path / "out" / "bad.json").read_text())["checks"]["ok"] is False

@@ -105,6 +105,8 @@ def plan_to_json(plan: WritePlan) -> dict:
     def write(w: RecordedWrite) -> list:
         s = w.source
         source = None if s is None else [index[s.hf_name], s.offset, list(s.shape), list(s.stride)]
+        if s is not None and s.dtype is not None:
+            source.append(dtype_name(s.dtype))
         return [w.op, w.offset, list(w.shape), list(w.stride), source, w.fill_value, [index[f] for f in w.feeds]]
 
     dtype_names: dict[torch.dtype, str] = {}
@@ -140,7 +142,8 @@ def plan_from_json(data: Mapping[str, Any]) -> WritePlan:
         op, offset, shape, stride, source, fill_value, feeds = raw
         view = None
         if source is not None:
-            view = SourceView(names[source[0]], source[1], tuple(source[2]), tuple(source[3]))
+            reinterpreted = _dtype(source[4]) if len(source) > 4 else None
+            view = SourceView(names[source[0]], source[1], tuple(source[2]), tuple(source[3]), reinterpreted)
         return RecordedWrite(
             op=op,
             offset=offset,

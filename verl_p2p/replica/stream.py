@@ -439,7 +439,7 @@ class RankReplica:
                     s = w.source
                     if s.hf_name not in flat:
                         flat[s.hf_name] = _contiguous_flat(feeds[s.hf_name])
-                    base = flat[s.hf_name]
+                    base = flat[s.hf_name] if s.dtype is None else flat[s.hf_name].view(s.dtype)  # bits, as read
                     src = base.as_strided(s.shape, s.stride, base.storage_offset() + s.offset).expand(w.shape)
                 _replay(chunk, c0, c1, w.offset, w.shape, w.stride, src, w.fill_value)
 

@@ -174,6 +174,20 @@ def base_version(version: str) -> str:
     return ".".join(re.split(r"[+]", str(version))[0].split(".")[:3])
 
 
+def release_id(version: str) -> str:
+    """The full release, normalized ('0.5.12.post1', '0.5.12+cu128' stay apart from '0.5.12'): post releases and
+    local builds may load weights differently, so only equal release ids share plans and replicas."""
+    text = str(version).strip()
+    try:
+        from packaging.version import InvalidVersion, Version
+    except ImportError:  # pragma: no cover - packaging comes with torch and transformers
+        return text
+    try:
+        return str(Version(text))
+    except InvalidVersion:
+        return text
+
+
 def _release(version: str) -> tuple[int, ...] | None:
     match = re.match(r"^\s*(\d+)\.(\d+)\.(\d+)", str(version))
     return tuple(int(x) for x in match.groups()) if match else None
@@ -363,10 +377,11 @@ def preflight(server_args: Mapping[str, Any], layout: RankLayout, hf_config: Any
         )
     check_tested_range(version)  # which adapter fits is decided when SGLang is first needed (RankContext)
     served = server_args.get("version")
-    if served and base_version(served) != base_version(version):
+    if served and release_id(served) != release_id(version):
         raise UnsupportedLayoutError(
             f"the rollout runs SGLang {served}, this trainer has SGLang {version}: the replica reproduces "
-            "the bytes of its own release only; install the rollout's SGLang release on the trainer"
+            "the bytes of its own release only (post releases and local builds included); install the rollout's "
+            f"SGLang release on the trainer (pip install 'sglang=={served}')"
         )
     _check_model_level(server_args, hf_config_dict(hf_config))
 
@@ -411,7 +426,7 @@ class RankContext:
     @property
     def key(self) -> tuple:
         """Equal for ranks that hold equal bytes (same SGLang release, layout, relevant server args)."""
-        return (base_version(self.version), self.layout.key, self.fingerprint)
+        return (release_id(self.version), self.layout.key, self.fingerprint)
 
     def __enter__(self) -> RankContext:
         _LOCK.acquire()

@@ -31,11 +31,11 @@ from verl_p2p.replica.plan import (
 from verl_p2p.replica.plan_cache import PlanCache, PlanKey, config_digest
 from verl_p2p.replica.rank_context import (
     RankContext,
-    base_version,
     hf_config_dict,
     installed_sglang_version,
     plan_fingerprint,
     preflight,
+    release_id,
     server_args_field_names,
 )
 
@@ -220,6 +220,31 @@ class PlannedRank:
     model: torch.nn.Module | None = None
 
 
+def _server_args_fields(cache: PlanCache | None, version: str) -> frozenset[str]:
+    """The release's ServerArgs field names: from `cache` when it holds them, else from SGLang (and kept there)."""
+    fields = cache.server_args_fields(version) if cache is not None else None
+    if fields is None:
+        fields = server_args_field_names(version)
+        if cache is not None:
+            _try(cache.save_server_args_fields, version, fields)
+    return fields
+
+
+def replica_key(
+    hf_config: dict | Any,
+    server_args: Mapping[str, Any],
+    layout: RankLayout,
+    hf_specs: HFSpecs,
+    cache: PlanCache | None = None,
+) -> tuple:
+    """The key of a rank's replica: equal keys hold equal bytes (SGLang release, layout, the server args SGLang
+    is handed, HF config and tensors). `plan_rank` gives its plans this key; the trainer caches replicas by it."""
+    hf = hf_config_dict(hf_config)
+    version = installed_sglang_version()
+    fingerprint = plan_fingerprint(server_args, _server_args_fields(cache, version))
+    return (release_id(version), layout.key, fingerprint, config_digest(hf, hf_specs))
+
+
 def plan_rank(
     hf_config: dict | Any,
     server_args: Mapping[str, Any],
@@ -236,14 +261,10 @@ def plan_rank(
         ctx = RankContext(server_args, layout, hf)
         model = build_meta_model(ctx)
         plan = capture_write_plan(ctx, model, hf_specs)
-        key = (base_version(version), layout.key, ctx.fingerprint, digest)
+        key = (release_id(version), layout.key, ctx.fingerprint, digest)
         return PlannedRank(plan, key, hf, from_cache=False, ctx=ctx, model=model)
-    fields = cache.server_args_fields(version)
-    if fields is None:
-        fields = server_args_field_names(version)
-        _try(cache.save_server_args_fields, version, fields)
-    fingerprint = plan_fingerprint(server_args, fields)
-    key = (base_version(version), layout.key, fingerprint, digest)
+    fingerprint = plan_fingerprint(server_args, _server_args_fields(cache, version))
+    key = (release_id(version), layout.key, fingerprint, digest)
     plan_key = PlanKey(version, digest, layout, fingerprint)
     plan = cache.load(plan_key)
     if plan is not None:
@@ -331,7 +352,7 @@ class RankReplica:
         with self._lazy:
             if self._ctx is None:
                 ctx = RankContext(self.server_args, self._layout, self.hf_config)
-                if (base_version(ctx.version), ctx.layout.key, ctx.fingerprint) != self.key[:3]:
+                if ctx.key != self.key[:3]:
                     raise ReplicaLoadError(
                         f"the rank context of {self._layout} (SGLang {ctx.version}) does not match the plan's key "
                         f"{self.key[:3]}: the installed SGLang changed since the plan was made; rebuild the replica"
@@ -454,4 +475,4 @@ class RankReplica:
         }
 
 
-__all__ = ["CompletenessStager", "PlannedRank", "RankReplica", "ReplicaLoadError", "plan_rank"]
+__all__ = ["CompletenessStager", "PlannedRank", "RankReplica", "ReplicaLoadError", "plan_rank", "replica_key"]

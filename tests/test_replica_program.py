@@ -175,3 +175,18 @@ def test_a_bit_reinterpreting_copy_is_recorded_replayed_as_bits_and_never_compil
             dst = torch.zeros(16, dtype=torch.uint8)
             replica.load_chunk("p", hf, offset, dst)
             assert torch.equal(dst, want[offset : offset + 16]), (type(replica).__name__, offset)
+
+
+def test_a_plan_of_another_float_type_of_the_same_size_is_refused():
+    """A rank publishes numel and element size only: bfloat16 bytes into a float16 rollout would pass every size
+    check. Parameters of another element size (a float32 norm in a bfloat16 model) are not refused."""
+    from verl_p2p.replica.stream import ReplicaLoadError, check_plan_dtypes
+
+    weight = _param("w", (4,), [_copy(0, (4,), (1,), "x", 0, (4,), (1,))], dtype=torch.bfloat16)
+    norm = _param("norm", (4,), [_copy(0, (4,), (1,), "x", 0, (4,), (1,))], dtype=torch.float32)
+    plan = WritePlan({"w": weight, "norm": norm}, {"x": ((4,), torch.float32)})
+    for dtype in ("bfloat16", "auto", None, "float32"):
+        check_plan_dtypes(plan, {"dtype": dtype})
+    for dtype in ("float16", "half"):
+        with pytest.raises(ReplicaLoadError, match=r"dtype=.*w \(torch.bfloat16\).*rebuild it"):
+            check_plan_dtypes(plan, {"dtype": dtype})

@@ -289,6 +289,39 @@ def _try(save, *args) -> None:
         logger.warning("p2p plan cache: could not write an entry (%s); continuing without it", exc)
 
 
+# SGLang's `--dtype` spellings of the floating types (`auto` resolves from the checkpoint's config)
+_SERVER_DTYPES = {
+    "half": torch.float16,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float": torch.float32,
+    "float32": torch.float32,
+}
+
+
+def check_plan_dtypes(plan: WritePlan, server_args: Mapping[str, Any]) -> None:
+    """Refuse a plan whose parameters hold another floating type of the server's element size.
+
+    A rank publishes only numel and element size per parameter, so bfloat16 bytes written into a float16
+    parameter pass every size check and serve garbage. Parameters of another element size (float32 norms or
+    biases in a bfloat16 model, FP8 weights) are told apart by those checks already and are not refused here.
+    """
+    want = _SERVER_DTYPES.get(str(server_args.get("dtype") or "auto"))
+    if want is None:
+        return
+    wrong = [
+        f"{p.name} ({p.dtype})"
+        for p in plan.params.values()
+        if p.dtype.is_floating_point and p.dtype != want and p.dtype.itemsize == want.itemsize
+    ]
+    if wrong:
+        raise ReplicaLoadError(
+            f"the rollout serves dtype={server_args.get('dtype')} ({want}) but the write plan holds "
+            f"{len(wrong)} parameter(s) of another {want.itemsize}-byte float type, e.g. {wrong[:3]}: the plan was "
+            "made for other server args; rebuild it (or clear plan_cache_dir) from this rollout's /server_info"
+        )
+
+
 def check_chunk(p: ParamPlan, byte_offset: int, nbytes: int) -> int:
     """Refuse a byte range that is not whole elements inside the parameter; returns the element size."""
     es = p.dtype.itemsize
@@ -342,6 +375,7 @@ class RankReplica:
         """
         planned = plan_rank(hf_config, server_args, layout, hf_specs, cache)
         check_syncable(planned.plan)
+        check_plan_dtypes(planned.plan, server_args)
         return cls(
             server_args, layout, planned.hf_config, planned.plan, planned.key, ctx=planned.ctx, model=planned.model
         )
@@ -475,4 +509,12 @@ class RankReplica:
         }
 
 
-__all__ = ["CompletenessStager", "PlannedRank", "RankReplica", "ReplicaLoadError", "plan_rank", "replica_key"]
+__all__ = [
+    "CompletenessStager",
+    "PlannedRank",
+    "RankReplica",
+    "ReplicaLoadError",
+    "check_plan_dtypes",
+    "plan_rank",
+    "replica_key",
+]

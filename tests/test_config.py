@@ -11,7 +11,7 @@ def test_defaults_are_production():
     cfg = P2PConfig.from_mapping(None)
     assert (cfg.transport, cfg.protocol, cfg.pause_mode) == ("mooncake", "rdma", "abort")
     assert cfg.bucket_size_bytes == 512 << 20
-    assert (cfg.executor, cfg.verify_first_push, cfg.staging) == ("compiled", False, "auto")
+    assert (cfg.executor, cfg.verify_first_push, cfg.staging) == ("compiled", True, "auto")
     assert cfg.p2p_push_retries == 1
 
 

@@ -208,3 +208,162 @@ def test_sglang_release_change_misses_and_a_restart_reuses_without_sglang(tiny, 
     assert len(_entries(cache)) == 2
     restarted = _other_process("0.5.12", tmp_path)
     assert restarted == {"from_cache": True, "sglang_imported": False, "loaded_equal": True, "version": "0.5.12"}
+
+
+# ---- the host a plan was captured on, and where the config came from --------------------------------------
+
+
+def _load_as_if(cfg, specs, cache):
+    """What a warm-cache plan_rank would load right now (None: a miss), without capturing on a miss."""
+    from verl_p2p.replica.plan_cache import PlanKey, config_digest
+    from verl_p2p.replica.rank_context import installed_sglang_version, plan_fingerprint
+
+    version = installed_sglang_version()
+    fingerprint = plan_fingerprint(ARGS, cache.server_args_fields(version))
+    return cache.load(PlanKey(version, config_digest(cfg, specs), layout_from_server_args(ARGS, 0), fingerprint))
+
+
+@pytest.fixture(scope="module")
+def warm(tiny, tmp_path_factory):
+    cfg, specs = tiny
+    cache = PlanCache(tmp_path_factory.mktemp("warm"))
+    assert not _plan(cfg, specs, cache).from_cache
+    return cache
+
+
+def _fake_torch_version(monkeypatch):
+    monkeypatch.setattr(torch, "__version__", "2.99.0+other")
+
+
+def _rocm_torch(monkeypatch):
+    monkeypatch.setattr(torch.version, "hip", "6.3.0")
+
+
+def _sglang_env(name, value):
+    """A process started with `name=value` (the key takes the environment as the replica was imported)."""
+
+    def change(monkeypatch):
+        from verl_p2p.replica import plan_cache
+
+        monkeypatch.setattr(plan_cache, "_SGLANG_ENV", {**plan_cache._SGLANG_ENV, name: value})
+
+    change.__name__ = name
+    return change
+
+
+_sglang_cpu_engine = _sglang_env("SGLANG_USE_CPU_ENGINE", "1")  # SGLang pads the vocabulary differently
+_aiter = _sglang_env("SGLANG_USE_AITER", "1")  # MoE weights shuffled after loading on ROCm
+
+
+def _other_platform(monkeypatch):
+    import platform
+
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+
+
+def _patched_sglang(monkeypatch):
+    from verl_p2p.replica import plan_cache
+
+    monkeypatch.setattr(plan_cache, "sglang_install_digest", lambda: "a-patched-build-of-the-same-version")
+
+
+@pytest.mark.parametrize(
+    "change", [_fake_torch_version, _rocm_torch, _sglang_cpu_engine, _aiter, _other_platform, _patched_sglang]
+)
+def test_a_plan_of_another_host_kind_misses(tiny, warm, monkeypatch, change):
+    """A cache shared by nodes of different kinds (an NFS home) never serves one kind's plan to another."""
+    cfg, specs = tiny
+    assert _load_as_if(cfg, specs, warm) is not None  # the same host hits
+    change(monkeypatch)
+    assert _load_as_if(cfg, specs, warm) is None
+
+
+def test_the_install_digest_tells_a_patched_build_from_the_stock_one(monkeypatch, tmp_path):
+    from types import SimpleNamespace
+
+    from verl_p2p.replica import plan_cache
+
+    package = tmp_path / "sglang"
+    (package / "srt").mkdir(parents=True)
+    (package / "__init__.py").write_text("__version__ = '0.5.12'\n")
+    (package / "srt" / "loader.py").write_text("def load(w): return w\n")
+    monkeypatch.setitem(sys.modules, "sglang", SimpleNamespace(__file__=str(package / "__init__.py")))
+    monkeypatch.setattr(plan_cache, "_install_digests", {})
+    stock = plan_cache.sglang_install_digest()
+    assert plan_cache.sglang_install_digest() == stock
+    (package / "srt" / "loader.py").write_text("def load(w): return w.t()\n")
+    monkeypatch.setattr(plan_cache, "_install_digests", {})
+    assert plan_cache.sglang_install_digest() != stock
+
+
+def test_a_moved_checkpoint_keeps_its_plans(tiny, warm):
+    """Where the config was read from (and by which transformers) changes no byte: the entry still hits."""
+    cfg, specs = tiny
+    moved = dict(cfg, _name_or_path="/elsewhere/Qwen3-MoE", transformers_version="9.9.9")
+    assert _plan(moved, specs, warm).from_cache
+
+
+def test_a_post_release_is_another_release(tiny):
+    """`0.5.12.post1` on the rollout and `0.5.12` on the trainer load weights through different code."""
+    from verl_p2p.errors import UnsupportedLayoutError
+    from verl_p2p.replica.rank_context import preflight, release_id
+
+    assert release_id("0.5.12.post1") != release_id("0.5.12") == release_id(" 0.5.12 ")
+    assert release_id("0.5.12+cu128") != release_id("0.5.12")
+    cfg, _ = tiny
+    layout = layout_from_server_args(ARGS, 0)
+    preflight(dict(ARGS, version="0.5.12"), layout, cfg, "0.5.12")
+    with pytest.raises(UnsupportedLayoutError, match=r"0\.5\.12\.post1.*sglang==0\.5\.12\.post1"):
+        preflight(dict(ARGS, version="0.5.12.post1"), layout, cfg, "0.5.12")
+
+
+_WRITER = textwrap.dedent(
+    """
+    import json, sys
+    from verl_p2p.planning.layout import RankLayout
+    from verl_p2p.replica.plan_cache import PlanCache, PlanKey, read_entry
+
+    key, plan = read_entry(sys.argv[1])
+    cache = PlanCache(sys.argv[2])
+    plan_key = PlanKey(
+        key["sglang_version"], key["config_digest"], RankLayout(**key["layout"]), key["server_args_fingerprint"],
+        host=json.dumps(key["host"], sort_keys=True),
+    )
+    assert cache.path(plan_key).name == sys.argv[3], (cache.path(plan_key).name, sys.argv[3])
+    print("READY", flush=True)
+    for _ in range(int(sys.argv[4])):
+        cache.save(plan_key, plan)
+    """
+)
+
+
+def test_concurrent_writers_of_one_entry_never_expose_a_torn_one(tiny, warm, tmp_path, caplog):
+    """Two processes rewrite the same entry over and over while this one reads it: every read is the whole plan."""
+    cfg, specs = tiny
+    (entry,) = _entries(warm)
+    expected = _load_as_if(cfg, specs, warm)
+    args = [str(entry), str(warm.directory), entry.name, "150"]
+    writers = [
+        subprocess.Popen([sys.executable, "-c", _WRITER, *args], cwd=REPO, stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    try:
+        for w in writers:
+            assert w.stdout.readline().strip() == "READY"
+        reads = 0
+        with caplog.at_level(logging.WARNING, logger="verl_p2p.replica.plan_cache"):
+            while any(w.poll() is None for w in writers) or reads == 0:
+                assert _load_as_if(cfg, specs, warm) == expected
+                reads += 1
+    finally:
+        codes = [w.wait(timeout=600) for w in writers]
+    assert codes == [0, 0] and reads > 0
+    assert not [r for r in caplog.records if "corrupt" in r.getMessage()]
+    assert not list(warm.directory.glob(".*.partial"))  # no temporary file left behind
+
+
+def test_the_capture_code_digest_covers_the_key_builder():
+    """stream.py builds the key (and plan_rank's checks): a change to it must miss like one to the recorder."""
+    from verl_p2p.replica import plan_cache
+
+    assert {"plan.py", "plan_cache.py", "rank_context.py", "stream.py"} <= set(plan_cache._CAPTURE_CODE)

@@ -143,3 +143,19 @@ def test_verification_covers_one_push_only(moe_bf16):
     finally:
         del ref.load
     assert sorted(calls) == sorted(ref.plan.params) and not ex.verifying
+
+
+@pytest.mark.parametrize("offset,length", [(0, 64), (8, 56), (3, 13), (1, 2), (0, 1)])
+def test_the_word_wise_compare_finds_every_differing_byte(offset, length):
+    """The verification compares in 8/4/2-byte words where alignment allows: any single flipped byte, at any
+    offset of a (possibly unaligned) slot view, is still a difference."""
+    from verl_p2p.replica.compiled import _bytes_equal
+
+    base = torch.arange(80, dtype=torch.uint8)
+    a, b = base[offset : offset + length], base.clone()[offset : offset + length]
+    assert _bytes_equal(a, b)
+    for i in range(length):
+        flipped = b.clone()
+        flipped[i] ^= 0x40
+        assert not _bytes_equal(a, flipped), i
+    assert not _bytes_equal(a, b[:-1]) if length > 1 else True

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from verl_p2p.replica.compiled import run_program
-from verl_p2p.replica.plan import ParamPlan, RecordedWrite, SourceView
+from verl_p2p.replica.plan import ParamPlan, RecordedWrite, SourceView, WritePlan
 from verl_p2p.replica.program import NotCompilable, compilable, compile_param
 from verl_p2p.replica.stream import _replay
 
@@ -131,3 +131,62 @@ def test_dtype_conversion_copies_match_torch(case):
     run_program(compile_param(p, specs), hf, got)
     want = _replayed(experts, hf, 0, experts.numel).to(torch.bfloat16)
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def _reinterpreting_plan():
+    """A loader doing `param.copy_(w.view(torch.float16))` on a bfloat16 HF tensor, recorded by the capture's own
+    recorder: the copy reinterprets bits (same element size), it does not convert values."""
+    from verl_p2p.replica.plan import _WriteRecorder, validate_write_plan
+
+    p = torch.nn.Parameter(torch.empty(4, 8, dtype=torch.float16, device="meta"), requires_grad=False)
+    w = torch.empty(4, 8, dtype=torch.bfloat16, device="meta")
+    recorder = _WriteRecorder({"p": p}, {"w": w})
+    with torch.no_grad(), recorder:
+        p.data.copy_(w.view(torch.float16))
+    plan = ParamPlan("p", (4, 8), torch.float16, 64, ("w",), tuple(recorder.writes["p"]))
+    specs = {"w": ((4, 8), torch.bfloat16)}
+    validate_write_plan(WritePlan({"p": plan}, specs))
+    return plan, specs
+
+
+def test_a_bit_reinterpreting_copy_is_recorded_replayed_as_bits_and_never_compiled():
+    """The recorder keeps the view's dtype; the compiler refuses it (SGLang's loader serves it), the chunk replay
+    reinterprets, and the cached plan keeps the dtype."""
+    from verl_p2p.planning.layout import layout_from_server_args
+    from verl_p2p.replica.compiled import CompiledReplica
+    from verl_p2p.replica.plan_cache import plan_from_json, plan_to_json
+    from verl_p2p.replica.stream import RankReplica
+
+    plan, specs = _reinterpreting_plan()
+    (write,) = plan.writes
+    assert write.source.dtype == torch.float16
+    assert "through a torch.float16 view" in compilable(plan, specs)
+    with pytest.raises(NotCompilable, match="torch.bfloat16"):
+        compile_param(plan, specs)
+    whole = WritePlan({"p": plan}, dict(specs))
+    assert plan_from_json(plan_to_json(whole)) == whole
+    hf = {"w": torch.randn(4, 8, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)}
+    want = hf["w"].view(torch.float16).reshape(-1).view(torch.uint8)  # what SGLang's loader holds
+    ref = RankReplica({}, layout_from_server_args({}, 0), {}, whole, key=("reinterp",))
+    executor = CompiledReplica(ref)
+    assert "p" in executor.fallbacks
+    for replica in (ref, executor):
+        for offset in (0, 16, 48):
+            dst = torch.zeros(16, dtype=torch.uint8)
+            replica.load_chunk("p", hf, offset, dst)
+            assert torch.equal(dst, want[offset : offset + 16]), (type(replica).__name__, offset)
+
+
+def test_a_plan_of_another_float_type_of_the_same_size_is_refused():
+    """A rank publishes numel and element size only: bfloat16 bytes into a float16 rollout would pass every size
+    check. Parameters of another element size (a float32 norm in a bfloat16 model) are not refused."""
+    from verl_p2p.replica.stream import ReplicaLoadError, check_plan_dtypes
+
+    weight = _param("w", (4,), [_copy(0, (4,), (1,), "x", 0, (4,), (1,))], dtype=torch.bfloat16)
+    norm = _param("norm", (4,), [_copy(0, (4,), (1,), "x", 0, (4,), (1,))], dtype=torch.float32)
+    plan = WritePlan({"w": weight, "norm": norm}, {"x": ((4,), torch.float32)})
+    for dtype in ("bfloat16", "auto", None, "float32"):
+        check_plan_dtypes(plan, {"dtype": dtype})
+    for dtype in ("float16", "half"):
+        with pytest.raises(ReplicaLoadError, match=r"dtype=.*w \(torch.bfloat16\).*rebuild it"):
+            check_plan_dtypes(plan, {"dtype": dtype})

@@ -162,3 +162,15 @@ def test_executor_options_reach_the_push(model, receiver, monkeypatch, tmp_path)
         assert not [n for n, t in written.items() if bool((t == 0xFF).all())]
     finally:
         session.close()
+
+
+def test_engines_differing_in_any_byte_relevant_arg_get_their_own_replica(model, monkeypatch, tmp_path):
+    """The trainer caches replicas by the replica's own key: `moe_dense_tp_size` is not one of the driver's
+    placement args, yet an engine with it set gets a replica of its own; an instance field (the port) does not."""
+    session, _ = make_session(model, monkeypatch, plan_cache_dir=str(tmp_path / "plans"))
+    layout = layout_from_server_args(SERVER_ARGS, 0)
+    first = session._replica(dict(SERVER_ARGS, port=30000), layout)
+    assert session._replica(dict(SERVER_ARGS, port=30001), layout) is first
+    other = session._replica(dict(SERVER_ARGS, moe_dense_tp_size=1), layout)
+    assert other is not first and other.key != first.key
+    assert other.key[2] == other.ctx.fingerprint  # the key is the rank context's own

@@ -5,12 +5,46 @@
 RankReplica.build from the witness's resolved server args, every parameter loaded into a NaN-prefilled
 buffer and compared bit for bit with the witness parameter, then produced again chunk by chunk
 (load_chunk) and compared; the compiled executor (`CompiledReplica`) does the same, whole and chunked;
-finally every HF tensor must land on some rank.
+finally every HF tensor must land on some rank. A job with `"strided_feeds": true` also feeds every parameter
+non-contiguous views of its HF tensors (transposed, or every other element of a wider tensor: what an export may
+yield) to both executors, whole and chunked, and compares the same way.
 """
 
 import json
 import os
 import sys
+
+
+def strided(t):
+    """The same values as `t` in a non-contiguous view: transposed storage, or every other element."""
+    import torch
+
+    if t.dim() >= 2 and t.shape[-1] > 1 and t.shape[-2] > 1:
+        view = t.transpose(-1, -2).contiguous().transpose(-1, -2)
+    else:
+        view = torch.stack([t, torch.zeros_like(t)], dim=-1)[..., 0]
+    assert torch.equal(view, t) and (t.numel() <= 1 or not view.is_contiguous())
+    return view
+
+
+def _strided_problems(rank, name, p, replica, executor, feeds, want) -> list[str]:
+    """Both executors fed non-contiguous views, whole and chunked: the same bytes as SGLang's rank."""
+    import torch
+
+    feeds = {f: strided(t) for f, t in feeds.items()}
+    problems = []
+    ranges = replica.chunks(name, max(p.nbytes // 3, p.nbytes // max(p.shape[0], 1)))
+    for which, loader in (("reference", replica), ("compiled", executor)):
+        got = torch.full((p.numel,), float("nan"), dtype=p.dtype).view(torch.uint8)
+        loader.load(name, feeds, got)
+        if not torch.equal(got, want):
+            problems.append(f"rank {rank} {name}: {which} executor from non-contiguous feeds differs")
+        again = torch.full((p.numel,), float("nan"), dtype=p.dtype).view(torch.uint8)
+        for off, n in ranges:
+            loader.load_chunk(name, feeds, off, again[off : off + n])
+        if not torch.equal(again, want):
+            problems.append(f"rank {rank} {name}: chunked {which} load from non-contiguous feeds differs")
+    return problems
 
 
 def _compare_job(job: dict, world: int, out: str) -> dict:
@@ -29,6 +63,7 @@ def _compare_job(job: dict, world: int, out: str) -> dict:
     tensors = load_file(os.path.join(job["model_path"], "model.safetensors"))
     specs = {n: (tuple(s), tensors[n].dtype) for n, s in hf_tensor_shapes(cfg)}
     problems, plans, checked, chunked, compiled, compiled_chunked, fallbacks = [], [], 0, 0, 0, 0, []
+    strided_checked = 0
     for rank in range(world):
         witness = torch.load(os.path.join(out, f"rank{rank}.pt"))
         replica = RankReplica.build(cfg, info, layout_from_server_args(info, rank), specs)
@@ -68,6 +103,9 @@ def _compare_job(job: dict, world: int, out: str) -> dict:
                         problems.append(f"rank {rank} {name}: chunked load ({which}) differs")
                 chunked += 1
                 compiled_chunked += 1
+            if job.get("strided_feeds") and p.feeds:
+                problems += _strided_problems(rank, name, p, replica, executor, feeds, want)
+                strided_checked += 1
     try:
         check_hf_coverage(plans)
     except Exception as e:
@@ -80,6 +118,9 @@ def _compare_job(job: dict, world: int, out: str) -> dict:
         "compiled": compiled,
         "compiled_chunked": compiled_chunked,
         "fallbacks": fallbacks,
+        "strided": strided_checked,
+        "checkpoint_dtypes": sorted({str(t.dtype) for t in tensors.values()}),
+        "rollout_dtypes": sorted({str(p.dtype) for plan in plans for p in plan.params.values()}),
         "problems": problems,
     }
 

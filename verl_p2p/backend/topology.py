@@ -65,7 +65,10 @@ class Assignment:
 
 
 def layout_key(server_info: Mapping[str, Any], layout: RankLayout) -> Hashable:
-    """Two ranks with equal keys hold equal bytes: same layout and same byte-relevant server args."""
+    """The driver's placement hint: targets with equal keys likely hold equal bytes, so one source writes them.
+
+    Only a hint (the driver has neither SGLang nor the HF config): the trainer caches replicas by the replica's
+    own, finer key (`verl_p2p.replica.replica_key`), so a coarse match here costs a second replica, never bytes."""
     return (layout.key, tuple(str(server_info.get(k)) for k in _BYTE_ARGS))
 
 

@@ -23,7 +23,7 @@ from verl_p2p.replica.rank_context import (
     UnsupportedSGLangVersionError,
     rank_context,
 )
-from verl_p2p.replica.stream import CompletenessStager, RankReplica, ReplicaLoadError
+from verl_p2p.replica.stream import CompletenessStager, RankReplica, ReplicaLoadError, replica_key
 
 __all__ = [
     "TESTED_SGLANG_RANGE",
@@ -46,4 +46,5 @@ __all__ = [
     "check_syncable",
     "default_plan_cache_dir",
     "rank_context",
+    "replica_key",
 ]

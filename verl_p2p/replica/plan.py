@@ -30,12 +30,18 @@ class WritePlanError(UnsupportedLayoutError):
 
 @dataclass(frozen=True)
 class SourceView:
-    """A strided view of one (contiguous) HF tensor, in its elements."""
+    """A strided view of one (contiguous) HF tensor, in its elements.
+
+    `dtype` is set when the loader read the tensor's bits through a view of another dtype
+    (`w.view(torch.float16)` on a bfloat16 tensor): the copy then reinterprets bits, it does not convert
+    values, and offset/shape/stride count elements of that view dtype.
+    """
 
     hf_name: str
     offset: int
     shape: tuple[int, ...]
     stride: tuple[int, ...]
+    dtype: torch.dtype | None = None
 
 
 @dataclass(frozen=True)
@@ -143,6 +149,7 @@ class _WriteRecorder(TorchDispatchMode):
         self.param_of = {_storage_key(p): name for name, p in params.items()}
         self.dtype_of = {name: p.dtype for name, p in params.items()}
         self.hf_of = {_storage_key(t): name for name, t in hf.items()}
+        self.hf_dtype = {name: t.dtype for name, t in hf.items()}
         # storage -> the HF tensors its data came from (only non-empty origins are kept)
         self.origins: dict[int, frozenset[str]] = {k: frozenset([n]) for k, n in self.hf_of.items()}
         self.writes: dict[str, list[RecordedWrite]] = {name: [] for name in params}
@@ -212,7 +219,10 @@ class _WriteRecorder(TorchDispatchMode):
             src = args[1]
             src_name = self.hf_of.get(_storage_key(src))
             if src_name is not None:
-                source = SourceView(src_name, src.storage_offset(), tuple(src.shape), tuple(src.stride()))
+                reinterpreted = src.dtype if src.dtype != self.hf_dtype[src_name] else None
+                source = SourceView(
+                    src_name, src.storage_offset(), tuple(src.shape), tuple(src.stride()), reinterpreted
+                )
         elif func is torch.ops.aten.fill_.Scalar:
             op, value = "fill", _scalar(args[1])
         elif func is torch.ops.aten.zero_.default:

@@ -9,18 +9,24 @@ captured again. Entries are plain JSON (no pickle: loading an entry runs no code
 
 Which server args SGLang is handed depends on the release's ServerArgs fields; their names are kept per
 release in the same directory, so a cached plan is found without importing SGLang at all. The key also holds a
-digest of the capture code itself, so a changed recorder never reuses an entry written by an older one.
+digest of the capture code itself, so a changed recorder never reuses an entry written by an older one, and the
+host it was captured on (`host_identity`: torch build, platform, the `SGLANG_*` environment SGLang reads at
+import, a digest of the installed SGLang files), so a directory shared by nodes of different kinds (an NFS
+home) never serves one kind's plan to another, nor a patched SGLang build the plan of the stock one.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import logging
 import os
+import platform
+import sys
 import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +37,23 @@ from verl_p2p.replica.plan import HFSpecs, ParamPlan, RecordedWrite, SourceView,
 
 logger = logging.getLogger(__name__)
 
-_CAPTURE_CODE = ("plan.py", "plan_cache.py", "rank_context.py")
+_CAPTURE_CODE = ("plan.py", "plan_cache.py", "rank_context.py", "stream.py")
+# environment prefixes SGLang reads (at import and while building a model): e.g. SGLANG_USE_CPU_ENGINE pads the
+# vocabulary differently, SGLANG_USE_AITER changes MoE layouts on ROCm
+_SGLANG_ENV_PREFIXES = ("SGLANG_", "SGL_")
+# HF config entries that name where a config came from, not what the model is
+_CONFIG_PROVENANCE = frozenset({"_name_or_path", "transformers_version", "_commit_hash"})
+_install_digests: dict[str, str] = {}
+
+
+def _sglang_environment() -> dict[str, str]:
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(_SGLANG_ENV_PREFIXES)}
+
+
+# Taken when this module is imported (before the replica imports SGLang): SGLang itself sets some of these while
+# it resolves server args (0.5.23: SGLANG_ENABLE_TORCH_COMPILE, ...), which would make every later key differ
+# from a fresh process's. What SGLang sets there follows from the server args, which the key holds already.
+_SGLANG_ENV = _sglang_environment()
 _code_digest: str | None = None
 
 
@@ -46,6 +68,51 @@ def capture_code_digest() -> str:
     return _code_digest
 
 
+def sglang_install_digest() -> str:
+    """Digest of the installed SGLang package's Python files (names and contents), without importing SGLang.
+
+    Two builds with one `__version__` (a patched install, a fork) load weights differently; this tells them
+    apart. Computed once per process and package directory (about 0.4 s for SGLang's ~2000 files)."""
+    module = sys.modules.get("sglang")
+    origin = getattr(module, "__file__", None) if module is not None else None
+    if origin is None:
+        spec = importlib.util.find_spec("sglang")
+        origin = spec.origin if spec is not None else None
+    if origin is None:
+        return "absent"
+    root = Path(origin).parent
+    key = str(root)
+    digest = _install_digests.get(key)
+    if digest is None:
+        h = hashlib.sha256()
+        for path in sorted(root.rglob("*.py")):
+            h.update(f"\n{path.relative_to(root).as_posix()}\n".encode())
+            h.update(path.read_bytes())
+        digest = _install_digests[key] = h.hexdigest()[:32]
+    return digest
+
+
+def host_identity() -> str:
+    """What of the capturing host a plan's bytes may depend on, as canonical JSON.
+
+    The torch build (version, CUDA/HIP), the platform, whether a GPU is visible, every `SGLANG_*`/`SGL_*`
+    environment value (as the process had them when this module was imported) and the SGLang install digest.
+    Anything unlisted here that changed a plan would be a defect of this key; the first push of each plan is
+    checked against SGLang's loader (`verify_first_push`) all the same.
+    """
+    identity = {
+        "torch": str(torch.__version__),
+        "torch_cuda": torch.version.cuda,
+        "torch_hip": getattr(torch.version, "hip", None),
+        "gpu": bool(torch.cuda.is_available()),
+        "platform": f"{sys.platform}-{platform.machine()}",
+        "python": platform.python_version(),
+        "sglang_env": dict(_SGLANG_ENV),
+        "sglang_install": sglang_install_digest(),
+    }
+    return json.dumps(identity, sort_keys=True)
+
+
 def default_plan_cache_dir() -> Path:
     """`$XDG_CACHE_HOME/verl_p2p/plans`, else `~/.cache/verl_p2p/plans`."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -53,9 +120,13 @@ def default_plan_cache_dir() -> Path:
 
 
 def config_digest(hf_config: Mapping[str, Any], hf_specs: HFSpecs) -> str:
-    """Digest of the HF config and the HF tensor list (names, shapes, dtypes, in checkpoint order)."""
+    """Digest of the HF config and the HF tensor list (names, shapes, dtypes, in checkpoint order).
+
+    Where the config came from (`_name_or_path`, `transformers_version`) is left out: it changes no byte, and a
+    moved checkpoint keeps its plans."""
     dtype_names: dict[torch.dtype, str] = {}
-    h = hashlib.sha256(json.dumps(dict(hf_config), sort_keys=True, default=str).encode())
+    relevant = {k: v for k, v in dict(hf_config).items() if k not in _CONFIG_PROVENANCE}
+    h = hashlib.sha256(json.dumps(relevant, sort_keys=True, default=str).encode())
     for name, (shape, dtype) in hf_specs.items():
         dtype_name = dtype_names.get(dtype) or dtype_names.setdefault(dtype, str(dtype))
         h.update(f"\n{name}:{tuple(shape)}:{dtype_name}".encode())
@@ -70,10 +141,12 @@ class PlanKey:
     config_digest: str
     layout: RankLayout
     server_args_fingerprint: str
+    host: str = field(default_factory=host_identity)  # canonical JSON (`host_identity`)
 
     def as_json(self) -> dict:
         return {
             "capture_code": capture_code_digest(),
+            "host": json.loads(self.host),
             "sglang_version": self.sglang_version,
             "config_digest": self.config_digest,
             "layout": {k: getattr(self.layout, k) for k in self.layout.__dataclass_fields__},
@@ -105,6 +178,8 @@ def plan_to_json(plan: WritePlan) -> dict:
     def write(w: RecordedWrite) -> list:
         s = w.source
         source = None if s is None else [index[s.hf_name], s.offset, list(s.shape), list(s.stride)]
+        if s is not None and s.dtype is not None:
+            source.append(dtype_name(s.dtype))
         return [w.op, w.offset, list(w.shape), list(w.stride), source, w.fill_value, [index[f] for f in w.feeds]]
 
     dtype_names: dict[torch.dtype, str] = {}
@@ -140,7 +215,8 @@ def plan_from_json(data: Mapping[str, Any]) -> WritePlan:
         op, offset, shape, stride, source, fill_value, feeds = raw
         view = None
         if source is not None:
-            view = SourceView(names[source[0]], source[1], tuple(source[2]), tuple(source[3]))
+            reinterpreted = _dtype(source[4]) if len(source) > 4 else None
+            view = SourceView(names[source[0]], source[1], tuple(source[2]), tuple(source[3]), reinterpreted)
         return RecordedWrite(
             op=op,
             offset=offset,
@@ -262,4 +338,12 @@ class PlanCache:
         _atomic_write(self._fields_path(version), text)
 
 
-__all__ = ["PlanCache", "PlanKey", "config_digest", "default_plan_cache_dir", "read_entry"]
+__all__ = [
+    "PlanCache",
+    "PlanKey",
+    "config_digest",
+    "default_plan_cache_dir",
+    "host_identity",
+    "read_entry",
+    "sglang_install_digest",
+]

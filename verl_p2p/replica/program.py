@@ -172,6 +172,11 @@ def _ops_of(p: ParamPlan, hf_specs: Mapping[str, tuple[tuple[int, ...], torch.dt
             s = w.source
             if s.hf_name not in hf_specs:
                 raise NotCompilable(p.name, f"a copy reads {s.hf_name}, which is not in the plan's HF tensors")
+            if s.dtype is not None:  # a copy program converts values; this copy reinterprets bits
+                raise NotCompilable(
+                    p.name,
+                    f"SGLang reads the bits of {s.hf_name} ({hf_specs[s.hf_name][1]}) through a {s.dtype} view",
+                )
             src_stride = _expanded_src_strides(p.name, w)
             hf_numel = _numel(hf_specs[s.hf_name][0])
             last = s.offset + sum((n - 1) * st for n, st in zip(w.shape, src_stride, strict=True))

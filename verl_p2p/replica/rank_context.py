@@ -29,8 +29,10 @@ import importlib
 import importlib.util
 import inspect
 import json
+import logging
 import os
 import re
+import stat
 import tempfile
 import threading
 from collections.abc import Mapping
@@ -42,6 +44,7 @@ from verl_p2p.errors import UnsupportedLayoutError
 from verl_p2p.planning.layout import RankLayout, check_reproducible, layout_from_server_args
 
 _LOCK = threading.RLock()
+logger = logging.getLogger(__name__)
 
 # The SGLang releases the replica supports, both ends included (the `sglang` extra of pyproject.toml says the
 # same). CI runs the replica-exact matrix on 0.5.12, 0.5.21 and 0.5.23 (tests/test_replica_exact.py).
@@ -171,6 +174,20 @@ def base_version(version: str) -> str:
     return ".".join(re.split(r"[+]", str(version))[0].split(".")[:3])
 
 
+def release_id(version: str) -> str:
+    """The full release, normalized ('0.5.12.post1', '0.5.12+cu128' stay apart from '0.5.12'): post releases and
+    local builds may load weights differently, so only equal release ids share plans and replicas."""
+    text = str(version).strip()
+    try:
+        from packaging.version import InvalidVersion, Version
+    except ImportError:  # pragma: no cover - packaging comes with torch and transformers
+        return text
+    try:
+        return str(Version(text))
+    except InvalidVersion:
+        return text
+
+
 def _release(version: str) -> tuple[int, ...] | None:
     match = re.match(r"^\s*(\d+)\.(\d+)\.(\d+)", str(version))
     return tuple(int(x) for x in match.groups()) if match else None
@@ -244,19 +261,61 @@ def hf_config_dict(hf_config: Any) -> dict:
     return to_dict()
 
 
+_private_base: str | None = None
+
+
+def _private_config_base() -> str:
+    """This user's own directory for config copies: `<tmp>/verl_p2p_cfg-<uid>`, mode 0700, owned by this user.
+
+    A shared temporary directory lets anyone create that name first (or a symlink of it); such a directory
+    (not ours, not private, not a directory) is never used: a fresh `mkdtemp` directory serves this process.
+    """
+    global _private_base
+    if _private_base is not None:
+        return _private_base
+    uid = os.getuid()
+    base = os.path.join(tempfile.gettempdir(), f"verl_p2p_cfg-{uid}")
+    try:
+        os.mkdir(base, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(base)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or st.st_mode & 0o077:
+        fresh = tempfile.mkdtemp(prefix="verl_p2p_cfg-")
+        logger.warning(
+            "p2p replica: %s is not a private directory of this user (owner uid %d, mode %o); writing rollout "
+            "configs to %s instead. Remove %s if nobody else should own it",
+            base,
+            st.st_uid,
+            stat.S_IMODE(st.st_mode),
+            fresh,
+            base,
+        )
+        base = fresh
+    _private_base = base
+    return base
+
+
 def checkpoint_config_dir(hf_config: Any) -> str:
     """A directory holding only `config.json` of `hf_config` (SGLang's ModelConfig reads configs from a path).
 
-    One fixed directory per config digest, shared by every process: a killed process (Ray actors are) leaks
-    nothing, and the file is written atomically so concurrent writers never expose a half-written config.
+    One directory per config digest inside this user's private directory (`_private_config_base`), so a killed
+    process (Ray actors are) leaks nothing and no other user can plant a config (or code, with
+    `trust_remote_code`) there. The file is checked against the config on every use and rewritten atomically
+    when it differs, so concurrent writers never expose a half-written config.
     """
     text = json.dumps(hf_config_dict(hf_config), sort_keys=True, default=str)
     digest = hashlib.sha256(text.encode()).hexdigest()[:16]
-    path = os.path.join(tempfile.gettempdir(), f"verl_p2p_cfg_{digest}")
-    target = os.path.join(path, "config.json")
     with _LOCK:
-        if not os.path.exists(target):
-            os.makedirs(path, exist_ok=True)
+        path = os.path.join(_private_config_base(), digest)
+        target = os.path.join(path, "config.json")
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        try:
+            with open(target) as f:
+                current = f.read()
+        except FileNotFoundError:
+            current = None
+        if current != text:
             fd, partial = tempfile.mkstemp(dir=path, prefix=".config.", suffix=".json")
             with os.fdopen(fd, "w") as f:
                 f.write(text)
@@ -318,10 +377,11 @@ def preflight(server_args: Mapping[str, Any], layout: RankLayout, hf_config: Any
         )
     check_tested_range(version)  # which adapter fits is decided when SGLang is first needed (RankContext)
     served = server_args.get("version")
-    if served and base_version(served) != base_version(version):
+    if served and release_id(served) != release_id(version):
         raise UnsupportedLayoutError(
             f"the rollout runs SGLang {served}, this trainer has SGLang {version}: the replica reproduces "
-            "the bytes of its own release only; install the rollout's SGLang release on the trainer"
+            "the bytes of its own release only (post releases and local builds included); install the rollout's "
+            f"SGLang release on the trainer (pip install 'sglang=={served}')"
         )
     _check_model_level(server_args, hf_config_dict(hf_config))
 
@@ -366,7 +426,7 @@ class RankContext:
     @property
     def key(self) -> tuple:
         """Equal for ranks that hold equal bytes (same SGLang release, layout, relevant server args)."""
-        return (base_version(self.version), self.layout.key, self.fingerprint)
+        return (release_id(self.version), self.layout.key, self.fingerprint)
 
     def __enter__(self) -> RankContext:
         _LOCK.acquire()

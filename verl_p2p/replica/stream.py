@@ -31,11 +31,11 @@ from verl_p2p.replica.plan import (
 from verl_p2p.replica.plan_cache import PlanCache, PlanKey, config_digest
 from verl_p2p.replica.rank_context import (
     RankContext,
-    base_version,
     hf_config_dict,
     installed_sglang_version,
     plan_fingerprint,
     preflight,
+    release_id,
     server_args_field_names,
 )
 
@@ -220,6 +220,31 @@ class PlannedRank:
     model: torch.nn.Module | None = None
 
 
+def _server_args_fields(cache: PlanCache | None, version: str) -> frozenset[str]:
+    """The release's ServerArgs field names: from `cache` when it holds them, else from SGLang (and kept there)."""
+    fields = cache.server_args_fields(version) if cache is not None else None
+    if fields is None:
+        fields = server_args_field_names(version)
+        if cache is not None:
+            _try(cache.save_server_args_fields, version, fields)
+    return fields
+
+
+def replica_key(
+    hf_config: dict | Any,
+    server_args: Mapping[str, Any],
+    layout: RankLayout,
+    hf_specs: HFSpecs,
+    cache: PlanCache | None = None,
+) -> tuple:
+    """The key of a rank's replica: equal keys hold equal bytes (SGLang release, layout, the server args SGLang
+    is handed, HF config and tensors). `plan_rank` gives its plans this key; the trainer caches replicas by it."""
+    hf = hf_config_dict(hf_config)
+    version = installed_sglang_version()
+    fingerprint = plan_fingerprint(server_args, _server_args_fields(cache, version))
+    return (release_id(version), layout.key, fingerprint, config_digest(hf, hf_specs))
+
+
 def plan_rank(
     hf_config: dict | Any,
     server_args: Mapping[str, Any],
@@ -236,14 +261,10 @@ def plan_rank(
         ctx = RankContext(server_args, layout, hf)
         model = build_meta_model(ctx)
         plan = capture_write_plan(ctx, model, hf_specs)
-        key = (base_version(version), layout.key, ctx.fingerprint, digest)
+        key = (release_id(version), layout.key, ctx.fingerprint, digest)
         return PlannedRank(plan, key, hf, from_cache=False, ctx=ctx, model=model)
-    fields = cache.server_args_fields(version)
-    if fields is None:
-        fields = server_args_field_names(version)
-        _try(cache.save_server_args_fields, version, fields)
-    fingerprint = plan_fingerprint(server_args, fields)
-    key = (base_version(version), layout.key, fingerprint, digest)
+    fingerprint = plan_fingerprint(server_args, _server_args_fields(cache, version))
+    key = (release_id(version), layout.key, fingerprint, digest)
     plan_key = PlanKey(version, digest, layout, fingerprint)
     plan = cache.load(plan_key)
     if plan is not None:
@@ -266,6 +287,39 @@ def _try(save, *args) -> None:
         save(*args)
     except OSError as exc:
         logger.warning("p2p plan cache: could not write an entry (%s); continuing without it", exc)
+
+
+# SGLang's `--dtype` spellings of the floating types (`auto` resolves from the checkpoint's config)
+_SERVER_DTYPES = {
+    "half": torch.float16,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float": torch.float32,
+    "float32": torch.float32,
+}
+
+
+def check_plan_dtypes(plan: WritePlan, server_args: Mapping[str, Any]) -> None:
+    """Refuse a plan whose parameters hold another floating type of the server's element size.
+
+    A rank publishes only numel and element size per parameter, so bfloat16 bytes written into a float16
+    parameter pass every size check and serve garbage. Parameters of another element size (float32 norms or
+    biases in a bfloat16 model, FP8 weights) are told apart by those checks already and are not refused here.
+    """
+    want = _SERVER_DTYPES.get(str(server_args.get("dtype") or "auto"))
+    if want is None:
+        return
+    wrong = [
+        f"{p.name} ({p.dtype})"
+        for p in plan.params.values()
+        if p.dtype.is_floating_point and p.dtype != want and p.dtype.itemsize == want.itemsize
+    ]
+    if wrong:
+        raise ReplicaLoadError(
+            f"the rollout serves dtype={server_args.get('dtype')} ({want}) but the write plan holds "
+            f"{len(wrong)} parameter(s) of another {want.itemsize}-byte float type, e.g. {wrong[:3]}: the plan was "
+            "made for other server args; rebuild it (or clear plan_cache_dir) from this rollout's /server_info"
+        )
 
 
 def check_chunk(p: ParamPlan, byte_offset: int, nbytes: int) -> int:
@@ -321,6 +375,7 @@ class RankReplica:
         """
         planned = plan_rank(hf_config, server_args, layout, hf_specs, cache)
         check_syncable(planned.plan)
+        check_plan_dtypes(planned.plan, server_args)
         return cls(
             server_args, layout, planned.hf_config, planned.plan, planned.key, ctx=planned.ctx, model=planned.model
         )
@@ -331,7 +386,7 @@ class RankReplica:
         with self._lazy:
             if self._ctx is None:
                 ctx = RankContext(self.server_args, self._layout, self.hf_config)
-                if (base_version(ctx.version), ctx.layout.key, ctx.fingerprint) != self.key[:3]:
+                if ctx.key != self.key[:3]:
                     raise ReplicaLoadError(
                         f"the rank context of {self._layout} (SGLang {ctx.version}) does not match the plan's key "
                         f"{self.key[:3]}: the installed SGLang changed since the plan was made; rebuild the replica"
@@ -439,7 +494,7 @@ class RankReplica:
                     s = w.source
                     if s.hf_name not in flat:
                         flat[s.hf_name] = _contiguous_flat(feeds[s.hf_name])
-                    base = flat[s.hf_name]
+                    base = flat[s.hf_name] if s.dtype is None else flat[s.hf_name].view(s.dtype)  # bits, as read
                     src = base.as_strided(s.shape, s.stride, base.storage_offset() + s.offset).expand(w.shape)
                 _replay(chunk, c0, c1, w.offset, w.shape, w.stride, src, w.fill_value)
 
@@ -454,4 +509,12 @@ class RankReplica:
         }
 
 
-__all__ = ["CompletenessStager", "PlannedRank", "RankReplica", "ReplicaLoadError", "plan_rank"]
+__all__ = [
+    "CompletenessStager",
+    "PlannedRank",
+    "RankReplica",
+    "ReplicaLoadError",
+    "check_plan_dtypes",
+    "plan_rank",
+    "replica_key",
+]

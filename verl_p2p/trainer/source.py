@@ -13,7 +13,7 @@ import logging
 from collections.abc import Hashable, Iterable
 from typing import Any
 
-from verl_p2p.backend.topology import Assignment, layout_key
+from verl_p2p.backend.topology import Assignment
 from verl_p2p.config import P2PConfig
 from verl_p2p.errors import P2PError
 
@@ -175,20 +175,20 @@ class SourceSession:
             self._save_hook = release_buffers_around_save(self.engine, self.buffers)
 
     def _replica(self, server_info, layout) -> Any:
-        key = layout_key(server_info, layout)
+        """The replica of one target, cached by the replica's own key (`replica_key`): engines that differ in
+        any server arg SGLang is handed (not only the layout's) never share one."""
+        try:
+            from verl_p2p.replica import PlanCache, RankReplica, replica_key
+        except ImportError as exc:
+            raise _NO_SGLANG(exc) from exc
+        hf_config = self.engine.model_config.hf_config
+        cache = PlanCache.from_option(self.config.plan_cache_dir)
+        key = replica_key(hf_config, server_info, layout, self._specs(), cache)
         if key not in self._replicas:
-            try:
-                from verl_p2p.replica import PlanCache, RankReplica
-            except ImportError as exc:
-                raise _NO_SGLANG(exc) from exc
-            model_config = self.engine.model_config
-            self._replicas[key] = RankReplica.build(
-                model_config.hf_config,
-                server_info,
-                layout,
-                self._specs(),
-                cache=PlanCache.from_option(self.config.plan_cache_dir),
-            )
+            replica = RankReplica.build(hf_config, server_info, layout, self._specs(), cache=cache)
+            if replica.key != key:
+                raise P2PError(f"replica key {replica.key} differs from its expected {key}: report this")
+            self._replicas[key] = replica
         return self._replicas[key]
 
     def _executor(self, replica) -> Any:

@@ -100,6 +100,7 @@ class P2PCheckpointEngine(CheckpointEngine):
         self._published: EngineMeta | None = None
         self._acked: str | None = None
         self._in_sync = False  # between a leader's prepare and finalize
+        self._session_open = False  # a begin was sent and no end has succeeded since (a failed end keeps it)
         self._version: int | None = None
         if self.side is Side.TRAINER and self.is_master:
             from verl_p2p.backend.guards import warn_hybrid_actor
@@ -244,16 +245,21 @@ class P2PCheckpointEngine(CheckpointEngine):
 
     async def _leader_prepare(self) -> EngineMeta:
         adapter = self._leader_adapter()
-        if self._in_sync:  # the previous sync failed before finalize: close its session first
+        if self._in_sync:
             logger.warning("p2p: %s: the previous weight sync never finalized; ending its session", adapter)
-            self._in_sync = False
-            if adapter.sessions_supported:
+        self._in_sync = False
+        if self._session_open:  # a failed sync (no finalize, or a failed end) left it open: close it first
+            try:
                 await adapter.end_session()
+            except Exception as exc:  # most likely it did end meanwhile ("no session is open")
+                logger.warning("p2p: %s: closing the session an earlier sync left open: %s", adapter, exc)
+            self._session_open = False
         if self._published is None:
             await self._leader_publish(adapter)
         if self._checker.wants_arm:
             await self._checker.arm([adapter])
-        await adapter.begin_session()
+        self._session_open = adapter.sessions_supported is not False  # a failed begin may still have opened one
+        self._session_open = await adapter.begin_session()
         self._in_sync = True
         meta = dataclasses.replace(self._published, sessions=adapter.sessions_supported)  # known after begin
         if self._acked == meta.digest:
@@ -293,8 +299,9 @@ class P2PCheckpointEngine(CheckpointEngine):
             if self._version is not None:
                 await adapter.bump_version(str(self._version))
         finally:
-            if adapter.sessions_supported:
+            if self._session_open:
                 await adapter.end_session()
+                self._session_open = False
         if self._checker.wants_compare:
             await self._checker.compare([adapter])
         await adapter.flush_cache()  # the writes bypassed SGLang's loader, which would have flushed it

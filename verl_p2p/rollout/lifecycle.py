@@ -207,6 +207,8 @@ class SyncLifecycle:
             self._forget(engine)
 
     def _forget(self, engine: int) -> None:
+        if self.checker is not None:
+            self.checker.forget(engine)
         self._answers.pop(engine, None)
         self._stale.pop(engine, None)
         self._open_sessions.discard(engine)

@@ -208,7 +208,9 @@ class Harness:
         self.trainer.call("apply", assignment)
         self.applied = key
 
-    async def sync(self, weights: int, drill: str | None = None) -> SyncRecord:
+    async def sync(self, weights: int, drill: str | None = None, around_push: Any = None) -> SyncRecord:
+        """One sync to weight set `weights`, checked. `around_push(attempt, push)`, when given, runs each push
+        attempt of the sync (1: the push, 2..: its re-pushes) and must await `push()` (the soak's faults)."""
         from verl_p2p.rollout.lifecycle import SyncError
 
         index = len(self.records)
@@ -220,13 +222,20 @@ class Harness:
         side_tasks: dict[str, asyncio.Task] = {}
         marker = self.workdir / f"stalled-{index}"
 
+        attempts = [0]
+
         async def push(connection: Any) -> dict:
-            self._ensure_applied(connection, corrupt_session=drill == "wrong_session")
-            if drill == "paused_call":
-                side_tasks.update(await self._paused_calls(record))
-            if drill == "kill":
-                return await self._killed_push(marker, record)
-            return await asyncio.to_thread(self.trainer.call, "push", {})
+            attempts[0] += 1
+
+            async def attempt() -> dict:
+                self._ensure_applied(connection, corrupt_session=drill == "wrong_session")
+                if drill == "paused_call":
+                    side_tasks.update(await self._paused_calls(record))
+                if drill == "kill":
+                    return await self._killed_push(marker, record)
+                return await asyncio.to_thread(self.trainer.call, "push", {})
+
+            return await (attempt() if around_push is None else around_push(attempts[0], attempt))
 
         events_before = self.rollout.event_count() if not self.rollout.generates else 0
         t0 = time.perf_counter()
@@ -235,6 +244,7 @@ class Harness:
             record.phases = {k: round(v, 4) for k, v in report.phases.items()}
             record.push = report.metrics
             record.paused_s = round(record.phases.get("total", 0.0), 4)
+            record.notes["retried"] = [str(t) for t in report.retried_targets]
         except SyncError as exc:
             record.outcome, record.error = "failed", str(exc)
             record.notes["stale_engines"] = sorted(exc.stale_engines)
@@ -291,7 +301,7 @@ class Harness:
             record.checks.append(Check("unknown_weights_not_served", paused, "paused" if paused else "resumed"))
         else:
             try:
-                served = await self._generate(self.rollout, self.client, timeout=5)
+                served = await self._generate(self.rollout, self.client, timeout=getattr(self.args, "probe_timeout", 5))
                 record.notes["served_after_failure"] = served
                 ok = False
             except Exception as exc:  # noqa: BLE001 - a paused server answers nothing: what we want

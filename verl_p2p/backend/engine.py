@@ -14,7 +14,7 @@ KV and generation. Here:
 - `send_weights` (trainer): export the stage and write it (source) or only run the export's collectives
   (idle); rank 0 returns the combined metrics.
 - `receive_weights` (rollout): note the version (global step); yields nothing.
-- `finalize`: rollout leader: bump the version, end the session, [check: compare, once], flush the prefix cache
+- `finalize`: rollout leader: bump the version, end the session, [check: compare until passed], flush the prefix cache
   (verl resumes generation right after). A failed push raises from `send_weights`, so verl's manager never
   calls `finalize` nor resumes: every replica stays paused until a sync succeeds (docs/failures.md).
 

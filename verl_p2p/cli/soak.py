@@ -431,6 +431,9 @@ def main(argv: list[str] | None = None) -> int:
     real.add_argument("--size", choices=("tiny", "gpu"), default=None, help="default: gpu (sglang), tiny (loopback)")
     real.add_argument("--time-budget-s", type=float, default=None, help="start no sync after this long (reported)")
     real.add_argument("--probe-timeout", type=float, default=2.0, help="a stale rollout must not answer within it")
+    real.add_argument(
+        "--generate-every", type=int, default=1, help="compare generations every N-th sync (and around faults)"
+    )
     real.add_argument("--mem-fraction", type=float, default=0.12, help="SGLang --mem-fraction-static")
     real.add_argument("--workdir", default=None, help="keep the checkpoints and server logs here")
     args = parser.parse_args(argv)
@@ -486,6 +489,7 @@ def _main_real(args: argparse.Namespace, command: str) -> int:
         probe_timeout=args.probe_timeout,
         mem_fraction=args.mem_fraction,
         time_budget_s=args.time_budget_s,
+        generate_every=max(1, args.generate_every),
         workdir=args.workdir,
         out=args.out,
         command=command,

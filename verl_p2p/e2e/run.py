@@ -101,6 +101,7 @@ class Harness:
         self.trainer_instance = 0
         self.held = 0  # the weight set the rollout holds now
         self.stale = False  # the last sync left the rollout paused with unknown weights
+        self.generate_next = True  # the next sync checks greedy generations too (the soak skips some)
 
     # ---- set-up -----------------------------------------------------------------------------------------------
 
@@ -208,15 +209,18 @@ class Harness:
         self.trainer.call("apply", assignment)
         self.applied = key
 
-    async def sync(self, weights: int, drill: str | None = None, around_push: Any = None) -> SyncRecord:
+    async def sync(
+        self, weights: int, drill: str | None = None, around_push: Any = None, settle: Any = None
+    ) -> SyncRecord:
         """One sync to weight set `weights`, checked. `around_push(attempt, push)`, when given, runs each push
-        attempt of the sync (1: the push, 2..: its re-pushes) and must await `push()` (the soak's faults)."""
+        attempt of the sync (1: the push, 2..: its re-pushes) and must await `push()`; `settle()` runs once the
+        lifecycle returned, before the checks (the soak's faults: thaw what it froze)."""
         from verl_p2p.rollout.lifecycle import SyncError
 
         index = len(self.records)
         record = SyncRecord(index=index, version=str(index + 1), weights=weights, drill=drill, outcome="ok")
         self.records.append(record)
-        if not self.stale:  # cached prefix with the weights held now (a stale rollout is paused: it would wait)
+        if not self.stale and self.generate_next:  # cached prefix with the weights held now (a stale one would wait)
             record.notes["generation_before"] = await self._generate(self.rollout, self.client)
         self.trainer.call("weights", weights)
         side_tasks: dict[str, asyncio.Task] = {}
@@ -248,6 +252,8 @@ class Harness:
         except SyncError as exc:
             record.outcome, record.error = "failed", str(exc)
             record.notes["stale_engines"] = sorted(exc.stale_engines)
+        if settle is not None:
+            settle()
         self.stale = record.outcome != "ok" and bool(record.notes.get("stale_engines"))
         record.notes["wall_s"] = round(time.perf_counter() - t0, 4)
         if drill == "kill":  # a new trainer process, as a restarted trainer node would come back
@@ -278,7 +284,7 @@ class Harness:
                 f"{len(expected.checksums)} tensors" if not differing else f"differ: {differing[:8]}",
             )
         )
-        if self.rollout.generates:
+        if self.rollout.generates and self.generate_next:
             got = await self._generate(self.rollout, self.client)
             record.checks.append(
                 Check(

@@ -18,7 +18,8 @@ faults, in turn (a process restart counts against `--max-restarts` per kind; onc
 
 After every sync: a failed one must leave the rollout not serving (a generation request is not answered within
 `--probe-timeout`; the loopback: paused), a passed one must hold the checksums of its weight set and (real SGLang)
-generate greedily what a fresh server with those weights generates; the loopback records no violation. The sync
+generate greedily what a fresh server with those weights generates (every `--generate-every`-th sync and always
+around a fault: the faulted sync and its recovery); the loopback records no violation. The sync
 after a fault must pass. Resources are sampled after every sync: this driver's and the trainer's RSS, open fds and
 threads, and the server's RSS and GPU memory (nvidia-smi, per process of the server; real SGLang only). The JSON
 has their slopes per 100 syncs after warm-up (per process instance: a restarted trainer or server starts a new
@@ -57,6 +58,7 @@ class RealSoakOptions:
     http_timeout: float = 10.0
     probe_timeout: float = 2.0
     gpu_sample_every: int = 5
+    generate_every: int = 1  # greedy generations compared every N-th sync, and always around a fault
     mem_fraction: float = 0.12
     time_budget_s: float | None = None  # stop starting syncs after this long (the report says where it stopped)
     workdir: str | None = None
@@ -240,9 +242,10 @@ class RealSoak:
             notes: dict[str, Any] = {}
             drill = {"trainer_killed": "kill", "wrong_session": "wrong_session"}.get(kind or "", kind)
             s0 = time.monotonic()
-            record = await h.sync(weights, drill, around_push=self._around(kind, notes) if kind else None)
-            if kind == "scheduler_frozen":
-                h.rollout.thaw()  # whatever happened (idempotent)
+            h.generate_next = kind is not None or previous_fault is not None or index % opts.generate_every == 0
+            around = self._around(kind, notes) if kind else None
+            settle = h.rollout.thaw if kind == "scheduler_frozen" else None  # thawed before the checks, whatever ran
+            record = await h.sync(weights, drill, around_push=around, settle=settle)
             self.sync_seconds.append(time.monotonic() - s0)
             ok = record.outcome == "ok"
             self.passed += ok
@@ -372,6 +375,7 @@ class RealSoak:
                 "http_timeout": self.options.http_timeout,
                 "p2p_push_retries": self.harness.config.p2p_push_retries,
                 "probe_timeout": self.options.probe_timeout,
+                "generate_every": self.options.generate_every,
                 "max_restarts": self.options.max_restarts,
                 "time_budget_s": self.options.time_budget_s,
             },

@@ -3,7 +3,7 @@
     abort -> release KV (when the rollout frees it) -> [checker: snapshot + reset, once] -> begin session
     -> connect (cached) -> push [-> re-push the targets left unknown, `p2p_push_retries` times]
     -> per replica whose every target got all its bytes: bump version -> end session -> [checker: compare,
-       once] -> resume KV -> flush prefix cache -> resume generation
+       until passed] -> resume KV -> flush prefix cache -> resume generation
 
 Each step runs on every replica in parallel, in lockstep. Before the push nothing is written: a step that fails
 on any replica stops the forward steps (the push never runs after a failed begin/connect) and every replica is

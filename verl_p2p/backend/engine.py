@@ -101,6 +101,7 @@ class P2PCheckpointEngine(CheckpointEngine):
         self._acked: str | None = None
         self._in_sync = False  # between a leader's prepare and finalize
         self._session_open = False  # a begin was sent and no end has succeeded since (a failed end keeps it)
+        self._finalized = True  # the last sync this leader prepared went through finalize
         self._version: int | None = None
         if self.side is Side.TRAINER and self.is_master:
             from verl_p2p.backend.guards import warn_hybrid_actor
@@ -254,8 +255,9 @@ class P2PCheckpointEngine(CheckpointEngine):
             except Exception as exc:  # most likely it did end meanwhile ("no session is open")
                 logger.warning("p2p: %s: closing the session an earlier sync left open: %s", adapter, exc)
             self._session_open = False
-        if self._published is None:
+        if self._published is None or not self._finalized:  # after a failed sync: the server may have restarted
             await self._leader_publish(adapter)
+        self._finalized = False
         if self._checker.wants_arm:
             await self._checker.arm([adapter])
         self._session_open = adapter.sessions_supported is not False  # a failed begin may still have opened one
@@ -305,6 +307,7 @@ class P2PCheckpointEngine(CheckpointEngine):
         if self._checker.wants_compare:
             await self._checker.compare([adapter])
         await adapter.flush_cache()  # the writes bypassed SGLang's loader, which would have flushed it
+        self._finalized = True
 
 
 register_engine(P2PCheckpointEngine)

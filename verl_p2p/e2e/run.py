@@ -257,6 +257,7 @@ class Harness:
         self.stale = record.outcome != "ok" and bool(record.notes.get("stale_engines"))
         record.notes["wall_s"] = round(time.perf_counter() - t0, 4)
         if drill == "kill":  # a new trainer process, as a restarted trainer node would come back
+            self.trainer.stop()
             self.trainer = self._trainer()
             await asyncio.to_thread(self.trainer.wait_ready)
         if record.outcome == "ok":

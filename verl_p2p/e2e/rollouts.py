@@ -199,7 +199,7 @@ class SGLangServer:
     def scheduler_pids(self) -> list[int]:
         """The scheduler processes (they hold the weights and the Mooncake engine): `sglang::scheduler*`."""
         pids = self.process_ids()
-        named = [p for p in pids if "scheduler" in _process_title(p)]
+        named = [p for p in pids if p != self._proc.pid and "scheduler" in _process_title(p)]
         return named or [p for p in pids if p != self._proc.pid]  # untitled: every child of the launcher
 
     def freeze(self) -> list[int]:

@@ -69,6 +69,31 @@ def test_compare_failure_raises_naming_the_replica(fakes):
         assert not (server.paused or server.kv_released or server.session_open)
 
 
+def test_a_failed_compare_is_compared_again_until_it_passes(fakes):
+    """Review defect 8: the next sync rewrites the replica whose compare failed with the same (wrong) bytes; it
+    must be compared again and stay stale, not resumed because the check already ran once."""
+    servers = fakes(2)
+    servers[1].compare_error = "model.layers.0.mlp.weight: values differ from the snapshot"  # a wrong write
+    lifecycle = lifecycle_for(servers)
+    for version in (1, 2):
+        with pytest.raises(SyncError, match="compare failed on engine 1") as info:
+            asyncio.run(lifecycle.sync(version, writer(servers)))
+        assert info.value.stale_engines == [1] and servers[1].paused  # before the fix: sync 2 resumed it
+    assert [b["action"] for b in servers[1].bodies["weights_checker"]] == [
+        "snapshot",
+        "reset_tensors",
+        "compare",
+        "compare",
+    ]
+    assert [b["action"] for b in servers[0].bodies["weights_checker"]] == ["snapshot", "reset_tensors", "compare"]
+    servers[1].compare_error = None  # the write is fixed
+    report = asyncio.run(lifecycle.sync(3, writer(servers)))
+    assert report.recovered_engines == [1] and not servers[1].paused
+    assert lifecycle.checker.state == "done"
+    asyncio.run(lifecycle.sync(4, writer(servers)))
+    assert len(servers[1].bodies["weights_checker"]) == 5  # passed once: not compared again
+
+
 def test_server_message_of_a_mismatch_is_passed_on(fakes):
     servers = fakes(1)
     servers[0].compare_error = "lm_head.weight: max abs diff 0.5"

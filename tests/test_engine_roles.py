@@ -397,6 +397,54 @@ def test_rollout_leader_closes_a_session_left_open_by_a_failed_sync(server, capl
     assert server.weight_version == "default"  # a failed sync never bumps the version
 
 
+def test_rollout_leader_closes_a_session_whose_end_failed(server):
+    """Review defect 5: finalize's end failed, so the session stayed open; the next prepare must end it before
+    its begin (which the server refuses while a session is open), not only after a sync that never finalized."""
+    worker = leader()
+    engine = worker.checkpoint_engine
+    engine.init_process_group(ack=engine.prepare()["engine"].digest)
+    server.write()
+    engine.receive_weights(global_steps=3)
+    server.fail("end_weight_update", 500, {"error": {"message": "injected"}}, times=1)
+    with pytest.raises(P2PError, match="injected"):
+        engine.finalize()
+    assert server.session_open  # the failed end left it open
+    engine.prepare()  # before the fix: begin refused, "a weight-update session is already open"
+    assert server.session_open
+    server.write()
+    engine.receive_weights(global_steps=4)
+    engine.finalize()
+    assert server.weight_version == "4" and not server.session_open
+    calls = server.lifecycle_calls()
+    assert calls[calls.index("end_weight_update") :][:3] == [
+        "end_weight_update",
+        "end_weight_update",
+        "begin_weight_update",
+    ]
+
+
+def test_rollout_leader_rereads_rank_info_after_a_failed_sync(server):
+    """A sync failed (verl never called finalize) because the server restarted at the same address: the next
+    prepare publishes the new rank info (new sessions), not the acknowledged digest of the dead server's."""
+    worker = leader()
+    engine = worker.checkpoint_engine
+    first = engine.prepare()["engine"]
+    engine.init_process_group(ack=first.digest)
+    server.restart({0: "127.0.0.1:19000", 1: "127.0.0.1:19001"})
+    server.paused = True  # verl's manager aborts before prepare
+    again = engine.prepare()["engine"]  # before: the old digest only (acknowledged), the trainer kept old sessions
+    assert again.digest != first.digest and again.rank_infos[0].session_id == "127.0.0.1:19000"
+    assert server.session_open
+    engine.init_process_group(ack=again.digest)
+    server.write()
+    engine.receive_weights(global_steps=2)
+    engine.finalize()
+    assert server.weight_version == "2" and not server.session_open
+    calls = server.bootstrap_calls.count("get_transfer_engine_info")
+    assert engine.prepare()["engine"] == EngineMeta(2, again.digest, sessions=True)  # finalized: not re-read
+    assert server.bootstrap_calls.count("get_transfer_engine_info") == calls
+
+
 def test_rollout_leader_refuses_a_server_that_does_not_publish(server):
     server.server_args.update({SEED_FLAG: False, MEMORY_SAVER: True})
     with pytest.raises(P2PConfigError, match="memory saver"):

@@ -237,26 +237,51 @@ def test_push_failure_leaves_only_the_unknown_replica_paused_until_rewritten(fak
 
 
 def test_transient_push_failure_is_repushed_in_the_same_sync_with_fresh_rank_info(fakes):
-    """The first push fails on engine 1 and its rank 0 meanwhile publishes a new session (a restarted transfer
-    engine): the re-push reads it and writes engine 1 with it; the sync succeeds and the next one keeps it."""
+    """The first push fails on engine 1, whose server meanwhile restarted at the same address (new sessions,
+    generating, no session open): the re-push reads its new rank info and, exactly like the normal path, aborts
+    it, releases its KV and begins a session before writing it (review defect 7: before, it was written while
+    serving); the sync succeeds and the next one keeps the new info."""
     servers = fakes(2, tp_size=2)
     by_engine = dict(enumerate(servers))
     lifecycle = SyncLifecycle(adapters_for(servers))
     seen: list[Connection] = []
 
     def restart() -> None:
-        servers[1].set_session_id(0, "127.0.0.1:19000")
+        servers[1].restart({0: "127.0.0.1:19000", 1: "127.0.0.1:19001"})
 
     report = asyncio.run(lifecycle.sync(1, writer(by_engine, seen, fail_on=1, times=1, on_fail=restart)))
     assert report.retried_targets == [TargetRank(1, 0), TargetRank(1, 1)] and "push_retry_1" in report.phases
     assert seen[1].partial and seen[1].rank_infos[TargetRank(1, 0)].session_id == "127.0.0.1:19000"
+    assert servers[0].lifecycle_calls() == FULL
+    # the old server's session died with it: the end before the new begin is refused ("no session is open")
+    assert servers[1].lifecycle_calls() == FULL[:3] + FULL[:2] + ["end_weight_update"] + FULL[2:]
     for server in servers:
-        assert server.lifecycle_calls() == FULL and server.weight_version == "1"
+        assert server.weight_version == "1"
         assert_restored(server)
 
     report = asyncio.run(lifecycle.sync(2, writer(by_engine, seen)))
     assert not report.reconnected and not seen[-1].partial and len(seen[-1].targets) == 4
     assert seen[-1].rank_infos[TargetRank(1, 0)].session_id == "127.0.0.1:19000"
+
+
+def test_a_restarted_server_that_cannot_be_paused_is_left_out_of_the_repush(fakes):
+    """Review defect 7, the other branch: the restarted engine refuses the abort before the re-push; it is
+    never written while serving, stays stale and is named; the other engine is resumed."""
+    servers = fakes(2, tp_size=1)
+    by_engine = dict(enumerate(servers))
+    lifecycle = SyncLifecycle(adapters_for(servers))
+
+    def restart() -> None:
+        servers[1].restart({0: "127.0.0.1:19000"})
+        servers[1].fail("pause_generation", 500, {"error": {"message": "still loading"}}, times=1)
+
+    with pytest.raises(SyncError) as info:
+        asyncio.run(lifecycle.sync(1, writer(by_engine, fail_on=1, times=1, on_fail=restart)))
+    assert info.value.stale_engines == [1] and servers[1].pushes == 0
+    assert "abort (restarted, before re-push 1) on engine 1" in str(info.value) and "still loading" in str(info.value)
+    assert "its server restarted during the sync and abort failed" in info.value.stale[0].reason
+    assert servers[0].weight_version == "1"
+    assert_restored(servers[0])
 
 
 def test_a_push_error_naming_no_target_leaves_every_replica_paused(fakes):

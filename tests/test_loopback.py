@@ -53,7 +53,7 @@ def test_lifecycle_memory_tags():
     lc = Lifecycle()
     with pytest.raises(Refused, match="pause_generation first"):
         lc.release_memory(["kv_cache"])
-    lc.pause("retract")
+    assert lc.pause("retract", dict) == []
     assert lc.release_memory(None) == ["kv_cache", "weights", "cuda_graph"]
     assert lc.resume_memory(["weights", "cuda_graph"]) == ["weights", "cuda_graph"]
     with pytest.raises(Refused, match="not released"):
@@ -61,7 +61,7 @@ def test_lifecycle_memory_tags():
     with pytest.raises(Refused, match="unknown memory tags"):
         lc.release_memory(["activations"])
     with pytest.raises(Refused, match="Invalid mode"):
-        lc.pause("sleep")
+        lc.pause("sleep", dict)
 
 
 def test_weight_checker_on_a_plain_module():
@@ -248,9 +248,10 @@ def test_mooncake_write_lands_in_the_rank(engine, http, mooncake):
 
 @pytest.mark.slow
 def test_lifecycle_refuses_what_sglang_refuses_and_records_what_it_allows(engine, http, mooncake):
-    """Out-of-order calls SGLang refuses are refused; continue_generation, which SGLang never refuses, resumes and
-    records each violation: inside an open session, with the KV cache released, with a prefix cache computed
-    from weights written since its last flush (one-sided writes do not flush; a flush or a KV release does)."""
+    """Out-of-order calls SGLang refuses are refused; what SGLang allows is allowed and recorded as a violation:
+    a session begun while generating; continue_generation inside an open session, with the KV cache released,
+    with a prefix cache computed from weights written since its last flush (one-sided writes do not flush; a
+    flush or a KV release does); and, seen at the next pause, a write that landed while generation ran."""
     since = len(engine.events())
 
     def post(path, body=None):
@@ -261,7 +262,8 @@ def test_lifecycle_refuses_what_sglang_refuses_and_records_what_it_allows(engine
         "success": False,
         "message": "no weight-update session is open; call begin_weight_update() first",
     }
-    assert "pause_generation first" in post("/begin_weight_update", {"selector": "all"}).json()["message"]
+    assert post("/begin_weight_update", {"selector": "all"}).json()["success"] is True  # SGLang: no pause check
+    assert post("/end_weight_update").json()["success"] is True
     assert post("/pause_generation", {"mode": "abort"}).json()["status"] == "ok"
     assert post("/release_memory_occupation", {"tags": ["kv_cache"]}).status_code == 200
     assert post("/begin_weight_update", {"selector": "all"}).json()["success"] is True
@@ -281,11 +283,17 @@ def test_lifecycle_refuses_what_sglang_refuses_and_records_what_it_allows(engine
     assert post("/continue_generation").json()["status"] == "ok"  # flushed: nothing to record
     assert http.get(f"{engine.url}/model_info").json()["weight_version"] == "7"
     assert http.get(f"{engine.url}/weight_version").status_code == 404  # as SGLang >= 0.5.12: read /model_info
+    write_params(mooncake, rank_info(engine, http, 1), {name: original})  # put it back, while generating
+    assert post("/pause_generation", {"mode": "abort"}).status_code == 200
+    assert post("/flush_cache").status_code == 200
+    assert post("/continue_generation").status_code == 200
 
     events = engine.events(since)
     assert [(e["method"], e["path"], e["status"]) for e in events if e["path"] != RANK_READ] == [
         ("POST", "/end_weight_update", 400),
-        ("POST", "/begin_weight_update", 400),
+        ("POST", "/begin_weight_update", 200),
+        ("LOOPBACK", "weight_update_began_while_generating", 200),
+        ("POST", "/end_weight_update", 200),
         ("POST", "/pause_generation", 200),
         ("POST", "/release_memory_occupation", 200),
         ("POST", "/begin_weight_update", 200),
@@ -305,13 +313,17 @@ def test_lifecycle_refuses_what_sglang_refuses_and_records_what_it_allows(engine
         ("POST", "/continue_generation", 200),
         ("GET", "/model_info", 200),
         ("GET", "/weight_version", 404),
+        ("POST", "/pause_generation", 200),
+        ("LOOPBACK", "weights_written_while_serving", 200),
+        ("POST", "/flush_cache", 200),
+        ("POST", "/continue_generation", 200),
     ]
-    stale = engine.violations(since)[-1]
+    stale, written = engine.violations(since)[-2:]
     assert "rank(s) [1] changed since the cache was last flushed" in stale["message"]
-    assert events[4]["state"]["session_open"] and events[10]["state"]["weight_version"] == "7"
+    assert "rank(s) [1] changed while generation ran" in written["message"]
+    assert events[6]["state"]["session_open"] and events[12]["state"]["weight_version"] == "7"
     over_http = http.get(f"{engine.url}/loopback/events", params={"since": since}).json()["events"]
     assert [e["seq"] for e in over_http] == [e["seq"] for e in events]
-    write_params(mooncake, rank_info(engine, http, 1), {name: original})  # put it back
 
 
 @pytest.mark.slow

@@ -53,3 +53,28 @@ def test_soak_names_every_fault_and_never_resumes_a_stale_replica():
     resources = report["resources"]
     assert resources["threads"]["final"] <= resources["threads"]["after_warmup"]
     assert resources["fds"]["final"] <= resources["fds"]["after_warmup"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_trainer_process_soak_names_every_fault_and_recovers(tmp_path):
+    """`verl-p2p soak --rollout loopback`, shortened: the four faults of the real-server soak once each (trainer
+    killed, wrong session, the rollout's rank processes frozen then thawed, the server restarted at the same
+    ports), a recovery sync after each that holds the fresh rollout's checksums."""
+    from verl_p2p.e2e.soak import FAULTS as REAL_FAULTS
+    from verl_p2p.e2e.soak import RealSoakOptions, run_real_soak
+
+    syncs = 2 * len(REAL_FAULTS) + 1
+    out = tmp_path / "soak.json"
+    report = run_real_soak(RealSoakOptions(rollout="loopback", syncs=syncs, fault_every=2, warmup=1, out=str(out)))
+    assert report.get("error") is None and report["unexpected"] == [], report["unexpected"]
+    assert report["faults_by_kind"] == dict.fromkeys(sorted(REAL_FAULTS), 1)
+    assert report["faults_as_predicted"] == report["faults_named_correctly"] == len(REAL_FAULTS)
+    assert report["stale_replicas_resumed"] == 0 and report["passed"] + report["failed"] == syncs
+    outcomes = {f["kind"]: f for f in report["faults"]}
+    assert outcomes["server_restarted"]["outcome"] == "ok" and outcomes["server_restarted"]["retried"] == [
+        "engine 0 rank 0"
+    ]
+    assert all(outcomes[k]["outcome"] == "failed" for k in ("trainer_killed", "wrong_session", "scheduler_frozen"))
+    assert set(report["slopes_after_warmup"]) == {"driver", "trainer", "server"}
+    assert out.exists()

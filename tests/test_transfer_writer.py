@@ -151,10 +151,10 @@ def test_buffers_slots_release_restore_and_reuse(tmp_path, transport, targets):
 @pytest.fixture(scope="module")
 def victims(receivers):
     """Receivers the failure tests kill or freeze, next to a healthy one; started together."""
-    handles = start_receivers({"dead": PARAMS, "frozen": PARAMS})
+    handles = start_receivers({"dead": PARAMS, "frozen": PARAMS, "stuck": PARAMS})
     handles["ok"] = receivers["e0r0"]
     yield handles
-    stop_all([handles["dead"], handles["frozen"]])
+    stop_all([handles["dead"], handles["frozen"], handles["stuck"]])
 
 
 def test_failed_write_quarantines_slot_and_spares_other_targets(tmp_path, transport, victims):
@@ -210,5 +210,58 @@ def test_frozen_target_times_out_on_our_deadline(tmp_path, transport, victims):
     lingering = [th for th in threading.enumerate() if th.name == "p2p-write-e1r0"]
     assert lingering and lingering[0].is_alive()  # still blocked inside Mooncake
     handles["frozen"].kill()  # its blocked call now fails and the lane can exit
+    writer.close()
+    transport.unregister(src.data_ptr())
+
+
+class WatchedCalls:
+    """The real Mooncake transport; records when a write call to `session_id` starts and when it returns."""
+
+    def __init__(self, inner: MooncakeTransport, session_id: str) -> None:
+        self.inner, self.watched = inner, session_id
+        self.started, self.returned = threading.Event(), threading.Event()
+
+    @property
+    def session_id(self) -> str:
+        return self.inner.session_id
+
+    def register(self, addr: int, nbytes: int) -> None:
+        self.inner.register(addr, nbytes)
+
+    def unregister(self, addr: int) -> None:
+        self.inner.unregister(addr)
+
+    def write(self, session_id, local_addrs, remote_addrs, lengths) -> None:
+        if session_id != self.watched:
+            return self.inner.write(session_id, local_addrs, remote_addrs, lengths)
+        self.started.set()
+        try:
+            return self.inner.write(session_id, local_addrs, remote_addrs, lengths)
+        finally:
+            self.returned.set()
+
+
+def test_queued_write_keeps_its_deadline_while_workers_block_on_a_frozen_target(tmp_path, transport, victims):
+    """Review defect 6: one worker, held by a call into a frozen target (another batch); a healthy target's
+    write queued behind it starts once that call passes our deadline, not once Mooncake gives up on it."""
+    handles = victims
+    ok, stuck = TargetRank(0, 0), TargetRank(1, 1)
+    infos = {ok: info_of(handles["ok"]), stuck: info_of(handles["stuck"])}
+    src = torch.full((4000,), 7, dtype=torch.uint8)
+    transport.register(src.data_ptr(), src.numel())
+    Writer(transport, infos, timeout_s=TIMEOUT_S).write([WriteEntry(stuck, "w.a", 0, src.data_ptr(), 4000)])
+    watched = WatchedCalls(transport, infos[stuck].session_id)
+    writer = Writer(watched, infos, timeout_s=1.0, num_workers=1)
+    handles["stuck"].freeze()
+    src.fill_(8)
+    frozen = writer.submit([WriteEntry(stuck, "w.a", 0, src.data_ptr(), 4000)])
+    watched.started.wait()  # the only worker is now blocked inside Mooncake
+    healthy = writer.submit([WriteEntry(ok, "w.a", 0, src.data_ptr(), 4000)])
+    assert healthy.wait() == []  # before the fix: returned only once the frozen call came back
+    assert not watched.returned.is_set(), "the healthy write waited for the frozen target's call to return"
+    assert bool((handles["ok"].dump(str(tmp_path / "ok.pt"))["w.a"] == 8).all())
+    failures = frozen.wait()
+    assert [f.target for f in failures] == [stuck] and "timed out after 1 s" in failures[0].reason
+    handles["stuck"].kill()  # its blocked call now fails and the lane can exit
     writer.close()
     transport.unregister(src.data_ptr())

@@ -169,6 +169,16 @@ class FakeSGLang:
     def delay(self, route: str, seconds: float) -> None:
         self.delays[route] = seconds
 
+    def restart(self, session_ids: Mapping[int, str]) -> None:
+        """The server was killed and started again at the same address: generating, KV allocated, no session,
+        its weights from the checkpoint, new transfer-engine sessions (`session_ids`: rank -> new id)."""
+        with self.lock:
+            self.paused = self.kv_released = self.session_open = self.cache_stale = False
+            self.weight_version = "default"
+            self.checker = "none"
+            for rank, session_id in session_ids.items():
+                self.rank_info[rank][0] = session_id
+
     def set_session_id(self, rank: int, session_id: str) -> None:
         with self.lock:
             self.rank_info[rank][0] = session_id

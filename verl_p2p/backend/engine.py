@@ -14,7 +14,7 @@ KV and generation. Here:
 - `send_weights` (trainer): export the stage and write it (source) or only run the export's collectives
   (idle); rank 0 returns the combined metrics.
 - `receive_weights` (rollout): note the version (global step); yields nothing.
-- `finalize`: rollout leader: bump the version, end the session, [check: compare, once], flush the prefix cache
+- `finalize`: rollout leader: bump the version, end the session, [check: compare until passed], flush the prefix cache
   (verl resumes generation right after). A failed push raises from `send_weights`, so verl's manager never
   calls `finalize` nor resumes: every replica stays paused until a sync succeeds (docs/failures.md).
 
@@ -101,6 +101,8 @@ class P2PCheckpointEngine(CheckpointEngine):
         self._published: EngineMeta | None = None
         self._acked: str | None = None
         self._in_sync = False  # between a leader's prepare and finalize
+        self._session_open = False  # a begin was sent and no end has succeeded since (a failed end keeps it)
+        self._finalized = True  # the last sync this leader prepared went through finalize
         self._version: int | None = None
         if self.side is Side.TRAINER and self.is_master:
             from verl_p2p.backend.guards import warn_hybrid_actor
@@ -248,16 +250,22 @@ class P2PCheckpointEngine(CheckpointEngine):
 
     async def _leader_prepare(self) -> EngineMeta:
         adapter = self._leader_adapter()
-        if self._in_sync:  # the previous sync failed before finalize: close its session first
+        if self._in_sync:
             logger.warning("p2p: %s: the previous weight sync never finalized; ending its session", adapter)
-            self._in_sync = False
-            if adapter.sessions_supported:
+        self._in_sync = False
+        if self._session_open:  # a failed sync (no finalize, or a failed end) left it open: close it first
+            try:
                 await adapter.end_session()
-        if self._published is None:
+            except Exception as exc:  # most likely it did end meanwhile ("no session is open")
+                logger.warning("p2p: %s: closing the session an earlier sync left open: %s", adapter, exc)
+            self._session_open = False
+        if self._published is None or not self._finalized:  # after a failed sync: the server may have restarted
             await self._leader_publish(adapter)
+        self._finalized = False
         if self._checker.wants_arm:
             await self._checker.arm([adapter])
-        await adapter.begin_session()
+        self._session_open = adapter.sessions_supported is not False  # a failed begin may still have opened one
+        self._session_open = await adapter.begin_session()
         self._in_sync = True
         meta = dataclasses.replace(self._published, sessions=adapter.sessions_supported)  # known after begin
         if self._acked == meta.digest:
@@ -297,11 +305,13 @@ class P2PCheckpointEngine(CheckpointEngine):
             if self._version is not None:
                 await adapter.bump_version(str(self._version))
         finally:
-            if adapter.sessions_supported:
+            if self._session_open:
                 await adapter.end_session()
+                self._session_open = False
         if self._checker.wants_compare:
             await self._checker.compare([adapter])
         await adapter.flush_cache()  # the writes bypassed SGLang's loader, which would have flushed it
+        self._finalized = True
 
 
 register_engine(P2PCheckpointEngine)

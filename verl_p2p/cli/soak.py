@@ -417,14 +417,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--syncs", type=int, default=200)
     parser.add_argument("--fault-every", type=int, default=10, help="every N-th sync gets the next fault (0: none)")
     parser.add_argument("--warmup", type=int, default=20, help="syncs before resource growth is measured")
-    parser.add_argument("--http-timeout", type=float, default=5.0)
-    parser.add_argument("--transfer-timeout", type=float, default=2.0)
+    parser.add_argument("--http-timeout", type=float, default=None, help="default: 5 (in-process), 10 (--rollout)")
+    parser.add_argument("--transfer-timeout", type=float, default=None, help="default: 2 (in-process), 3 (--rollout)")
     parser.add_argument("--engines", default="2:2,1:1,1:1", help="loopback engines as tp:ep, comma separated")
     parser.add_argument("--out", default=None, help="write the JSON report here")
+    real = parser.add_argument_group(
+        "trainer process into one rollout server (--rollout)",
+        "faults: trainer killed, wrong session, scheduler frozen, server restarted (verl_p2p/e2e/soak.py)",
+    )
+    real.add_argument("--rollout", choices=("sglang", "loopback"), default=None, help="run that soak instead")
+    real.add_argument("--max-restarts", type=int, default=None, help="per restarting fault kind (default: no cap)")
+    real.add_argument("--model", choices=("qwen3", "qwen3_moe"), default="qwen3")
+    real.add_argument("--size", choices=("tiny", "gpu"), default=None, help="default: gpu (sglang), tiny (loopback)")
+    real.add_argument("--time-budget-s", type=float, default=None, help="start no sync after this long (reported)")
+    real.add_argument("--probe-timeout", type=float, default=2.0, help="a stale rollout must not answer within it")
+    real.add_argument(
+        "--generate-every", type=int, default=1, help="compare generations every N-th sync (and around faults)"
+    )
+    real.add_argument("--mem-fraction", type=float, default=0.12, help="SGLang --mem-fraction-static")
+    real.add_argument("--workdir", default=None, help="keep the checkpoints and server logs here")
     args = parser.parse_args(argv)
     if args.fault_every == 1:
         parser.error("--fault-every must be 0 or >= 2: a faulted sync is followed by one that must recover")
     command = "verl-p2p soak " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.rollout is not None:
+        return _main_real(args, command.strip())
+    args.http_timeout = 5.0 if args.http_timeout is None else args.http_timeout
+    args.transfer_timeout = 2.0 if args.transfer_timeout is None else args.transfer_timeout
     options = SoakOptions(
         syncs=args.syncs,
         fault_every=args.fault_every,
@@ -451,6 +470,43 @@ def main(argv: list[str] | None = None) -> int:
     for problem in report["unexpected"][:20]:
         print(f"[soak] UNEXPECTED: {problem}")
     return 1 if report["unexpected"] else 0
+
+
+def _main_real(args: argparse.Namespace, command: str) -> int:
+    """`--rollout`: the trainer-process soak into one rollout server (verl_p2p/e2e/soak.py)."""
+    from verl_p2p.e2e.soak import RealSoakOptions, run_real_soak
+
+    options = RealSoakOptions(
+        rollout=args.rollout,
+        syncs=args.syncs,
+        fault_every=args.fault_every,
+        warmup=args.warmup,
+        max_restarts=args.max_restarts,
+        model=args.model,
+        size=args.size,
+        transfer_timeout=3.0 if args.transfer_timeout is None else args.transfer_timeout,
+        http_timeout=10.0 if args.http_timeout is None else args.http_timeout,
+        probe_timeout=args.probe_timeout,
+        mem_fraction=args.mem_fraction,
+        time_budget_s=args.time_budget_s,
+        generate_every=max(1, args.generate_every),
+        workdir=args.workdir,
+        out=args.out,
+        command=command,
+    )
+    report = run_real_soak(options)
+    print(
+        f"[soak] {report['rollout']}: {report['syncs']} syncs in {report['seconds_total']} s: {report['passed']} "
+        f"passed, {report['failed']} failed; faults {report['faults_as_predicted']}/{report['faults_injected']} as "
+        f"predicted ({report['faults_by_kind']}), {report['faults_named_correctly']} named correctly; stale "
+        f"replicas resumed: {report['stale_replicas_resumed']}"
+    )
+    print(f"[soak] slopes per 100 syncs after warm-up: {json.dumps(report['slopes_after_warmup'])}")
+    if report.get("error"):
+        print(f"[soak] ERROR: {report['error']}")
+    for problem in report["unexpected"][:20]:
+        print(f"[soak] UNEXPECTED: {problem}")
+    return 0 if report["ok"] else 1
 
 
 if __name__ == "__main__":

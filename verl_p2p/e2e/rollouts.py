@@ -149,7 +149,7 @@ class SGLangServer:
 
     def start(self) -> SGLangServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log_path, "w")  # noqa: SIM115 - kept open for the server's lifetime
+        self._log = open(self.log_path, "a")  # noqa: SIM115 - kept open for the server's lifetime (and restarts)
         command = [sys.executable, "-m", "sglang.launch_server", *self.flags]
         self._log.write("$ " + " ".join(command) + "\n")
         self._log.flush()
@@ -190,9 +190,53 @@ class SGLangServer:
     async def checksums(self, client: Any) -> dict[str, str]:
         return await checksums_of(self.name, client)
 
+    def process_ids(self) -> list[int]:
+        """Every live process of the server (its own session: launcher, scheduler(s), detokenizer)."""
+        if self._proc is None:
+            return []
+        return _session_pids(self._proc.pid)
+
+    def scheduler_pids(self) -> list[int]:
+        """The scheduler processes (they hold the weights and the Mooncake engine): `sglang::scheduler*`."""
+        pids = self.process_ids()
+        named = [p for p in pids if p != self._proc.pid and "scheduler" in _process_title(p)]
+        return named or [p for p in pids if p != self._proc.pid]  # untitled: every child of the launcher
+
+    def freeze(self) -> list[int]:
+        """SIGSTOP the schedulers (the HTTP front end keeps accepting calls); the pids stopped."""
+        pids = self.scheduler_pids()
+        if not pids:
+            raise P2PError(f"{self.name}: no scheduler process found among {self.process_ids()}")
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        return pids
+
+    def thaw(self) -> None:
+        for pid in self.process_ids():
+            os.kill(pid, signal.SIGCONT)
+
+    def restart(self) -> float:
+        """SIGKILL the whole server, start it again at the same ports; seconds until it is healthy."""
+        if self._proc is not None and self._proc.poll() is None:
+            try:
+                os.killpg(self._proc.pid, signal.SIGCONT)
+                os.killpg(self._proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self._proc.wait(timeout=60)
+        deadline = time.monotonic() + 60
+        while self._proc is not None and _session_pids(self._proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)  # its children release the GPU memory and the ports as they go
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        self.start()
+        return self.wait_ready()
+
     def stop(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
             try:
+                os.killpg(self._proc.pid, signal.SIGCONT)
                 os.killpg(self._proc.pid, signal.SIGTERM)
                 self._proc.wait(timeout=30)
             except (ProcessLookupError, subprocess.TimeoutExpired):
@@ -214,8 +258,8 @@ class LoopbackRollout:
     def __init__(self, name: str, model_dir: str | Path, log_path: str | Path, *, tp: int = 1, ep: int = 1, **_: Any):
         from verl_p2p.loopback.engine import EngineSpec, LoopbackEngine
 
-        self.name = name
-        self.engine = LoopbackEngine(EngineSpec(tp=tp, ep=ep, dtype=_checkpoint_dtype(model_dir)), str(model_dir))
+        self.name, self.model_dir = name, str(model_dir)
+        self.engine = LoopbackEngine(EngineSpec(tp=tp, ep=ep, dtype=_checkpoint_dtype(model_dir)), self.model_dir)
 
     @property
     def url(self) -> str:
@@ -257,6 +301,33 @@ class LoopbackRollout:
     def event_count(self) -> int:
         return len(self.engine.events())
 
+    def process_ids(self) -> list[int]:
+        """The rank processes (the control plane is a thread of this process)."""
+        return [self.engine.rank_pid(r) for r in range(self.engine.spec.tp) if self.engine.ranks_alive()[r]]
+
+    def freeze(self) -> list[int]:
+        """SIGSTOP every rank (what holds the weights and the Mooncake engine, as SGLang's schedulers do)."""
+        for rank in range(self.engine.spec.tp):
+            self.engine.freeze_rank(rank)
+        return self.process_ids()
+
+    def thaw(self) -> None:
+        for rank in range(self.engine.spec.tp):
+            self.engine.thaw_rank(rank)
+
+    def restart(self) -> float:
+        """Kill the engine and start a new one at the same ports (new ranks, new Mooncake sessions)."""
+        import dataclasses
+
+        from verl_p2p.loopback.engine import LoopbackEngine
+
+        t0 = time.perf_counter()
+        old = self.engine
+        old.stop()
+        spec = dataclasses.replace(old.spec, port=old.port, bootstrap_port=old.bootstrap_port)
+        self.engine = LoopbackEngine(spec, self.model_dir).start().wait_ready()
+        return time.perf_counter() - t0
+
     def stop(self) -> None:
         self.engine.stop()
 
@@ -265,3 +336,26 @@ def _checkpoint_dtype(model_dir: str | Path) -> str:
     import json
 
     return json.loads((Path(model_dir) / "config.json").read_text()).get("torch_dtype", "float32")
+
+
+def _session_pids(session: int) -> list[int]:
+    """Live processes of Linux session `session` (what `start_new_session` made the server's)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[3]) == session and fields[0] != "Z":  # field 6 (session), after the state
+            pids.append(int(entry))
+    return sorted(pids)
+
+
+def _process_title(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""

@@ -101,6 +101,7 @@ class Harness:
         self.trainer_instance = 0
         self.held = 0  # the weight set the rollout holds now
         self.stale = False  # the last sync left the rollout paused with unknown weights
+        self.generate_next = True  # the next sync checks greedy generations too (the soak skips some)
 
     # ---- set-up -----------------------------------------------------------------------------------------------
 
@@ -208,25 +209,37 @@ class Harness:
         self.trainer.call("apply", assignment)
         self.applied = key
 
-    async def sync(self, weights: int, drill: str | None = None) -> SyncRecord:
+    async def sync(
+        self, weights: int, drill: str | None = None, around_push: Any = None, settle: Any = None
+    ) -> SyncRecord:
+        """One sync to weight set `weights`, checked. `around_push(attempt, push)`, when given, runs each push
+        attempt of the sync (1: the push, 2..: its re-pushes) and must await `push()`; `settle()` runs once the
+        lifecycle returned, before the checks (the soak's faults: thaw what it froze)."""
         from verl_p2p.rollout.lifecycle import SyncError
 
         index = len(self.records)
         record = SyncRecord(index=index, version=str(index + 1), weights=weights, drill=drill, outcome="ok")
         self.records.append(record)
-        if not self.stale:  # cached prefix with the weights held now (a stale rollout is paused: it would wait)
+        if not self.stale and self.generate_next:  # cached prefix with the weights held now (a stale one would wait)
             record.notes["generation_before"] = await self._generate(self.rollout, self.client)
         self.trainer.call("weights", weights)
         side_tasks: dict[str, asyncio.Task] = {}
         marker = self.workdir / f"stalled-{index}"
 
+        attempts = [0]
+
         async def push(connection: Any) -> dict:
-            self._ensure_applied(connection, corrupt_session=drill == "wrong_session")
-            if drill == "paused_call":
-                side_tasks.update(await self._paused_calls(record))
-            if drill == "kill":
-                return await self._killed_push(marker, record)
-            return await asyncio.to_thread(self.trainer.call, "push", {})
+            attempts[0] += 1
+
+            async def attempt() -> dict:
+                self._ensure_applied(connection, corrupt_session=drill == "wrong_session")
+                if drill == "paused_call":
+                    side_tasks.update(await self._paused_calls(record))
+                if drill == "kill":
+                    return await self._killed_push(marker, record)
+                return await asyncio.to_thread(self.trainer.call, "push", {})
+
+            return await (attempt() if around_push is None else around_push(attempts[0], attempt))
 
         events_before = self.rollout.event_count() if not self.rollout.generates else 0
         t0 = time.perf_counter()
@@ -235,12 +248,16 @@ class Harness:
             record.phases = {k: round(v, 4) for k, v in report.phases.items()}
             record.push = report.metrics
             record.paused_s = round(record.phases.get("total", 0.0), 4)
+            record.notes["retried"] = [str(t) for t in report.retried_targets]
         except SyncError as exc:
             record.outcome, record.error = "failed", str(exc)
             record.notes["stale_engines"] = sorted(exc.stale_engines)
+        if settle is not None:
+            settle()
         self.stale = record.outcome != "ok" and bool(record.notes.get("stale_engines"))
         record.notes["wall_s"] = round(time.perf_counter() - t0, 4)
         if drill == "kill":  # a new trainer process, as a restarted trainer node would come back
+            self.trainer.stop()
             self.trainer = self._trainer()
             await asyncio.to_thread(self.trainer.wait_ready)
         if record.outcome == "ok":
@@ -268,7 +285,7 @@ class Harness:
                 f"{len(expected.checksums)} tensors" if not differing else f"differ: {differing[:8]}",
             )
         )
-        if self.rollout.generates:
+        if self.rollout.generates and self.generate_next:
             got = await self._generate(self.rollout, self.client)
             record.checks.append(
                 Check(
@@ -291,7 +308,7 @@ class Harness:
             record.checks.append(Check("unknown_weights_not_served", paused, "paused" if paused else "resumed"))
         else:
             try:
-                served = await self._generate(self.rollout, self.client, timeout=5)
+                served = await self._generate(self.rollout, self.client, timeout=getattr(self.args, "probe_timeout", 5))
                 record.notes["served_after_failure"] = served
                 ok = False
             except Exception as exc:  # noqa: BLE001 - a paused server answers nothing: what we want

@@ -165,6 +165,7 @@ class TrainerProcess:
         child.close()
         self.started = time.perf_counter()
         self.tracebacks: list[str] = []  # of failed commands, newest last
+        self._closed = False
 
     def wait_ready(self, timeout_s: float = 600) -> dict:
         return self._answer("start", timeout_s)
@@ -194,7 +195,7 @@ class TrainerProcess:
 
     @property
     def pid(self) -> int | None:
-        return self._proc.pid
+        return None if self._closed else self._proc.pid
 
     def kill(self) -> None:
         """SIGKILL, as a crashed or preempted trainer node would go."""
@@ -202,6 +203,8 @@ class TrainerProcess:
         self._proc.join(timeout=10)
 
     def stop(self) -> None:
+        if self._closed:
+            return
         if self._proc.is_alive():
             try:
                 self._conn.send(("stop", None))
@@ -210,3 +213,7 @@ class TrainerProcess:
                 pass
         if self._proc.is_alive():
             self.kill()
+        self._conn.close()  # the pipe and the process sentinel: a replaced trainer leaves no fd behind
+        if not self._proc.is_alive():
+            self._proc.close()
+            self._closed = True

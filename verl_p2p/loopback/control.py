@@ -179,11 +179,14 @@ def create_app(ctx: ControlContext) -> FastAPI:
     def pause_generation(request: Request, body: OptionalBody = None) -> Response:
         with lc.lock:
             try:
-                lc.pause(str((body or {}).get("mode", "abort")))
+                violations = lc.pause(str((body or {}).get("mode", "abort")), ctx.weight_digests)
             except Refused as e:
                 return refused(request, body, e)
             ok = JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
-            return finish(request, body, ok, "paused")
+            response = finish(request, body, ok, "paused")
+            for name, message in violations:
+                lc.record(VIOLATION, name, None, 200, message)
+            return response
 
     @app.post("/continue_generation")
     @admin
@@ -235,8 +238,11 @@ def create_app(ctx: ControlContext) -> FastAPI:
                     ctx.call_ranks("ping")  # every rank takes part (SGLang: a TP barrier)
                 except (Refused, RankUnavailable, RankOpError) as e:
                     return session_answer(request, body, False, str(e))
-                lc.begin(selector)
-                return session_answer(request, body, True, "Success")
+                violations = lc.begin(selector)
+                response = session_answer(request, body, True, "Success")
+                for name, message in violations:
+                    lc.record(VIOLATION, name, None, 200, message)
+                return response
 
         @app.post("/end_weight_update")
         @admin

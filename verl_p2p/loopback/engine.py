@@ -187,7 +187,9 @@ class LoopbackEngine:
                 faults=self.faults,
             )
             # it has been serving since start-up: its prefix cache holds KV computed with the loaded weights
-            self.lifecycle.state.prefix_cache_from = {str(r): d for r, d in context.weight_digests(30.0).items() if d}
+            loaded = {str(r): d for r, d in context.weight_digests(30.0).items() if d}
+            self.lifecycle.state.prefix_cache_from = loaded
+            self.lifecycle.state.serving_from = dict(loaded)  # it generates from the start
             self._http = ThreadedServer(create_app(context), self.spec.host, self.port)
             self._http.start()
         except BaseException:

@@ -3,8 +3,7 @@
 Refusals SGLang itself makes (read from 0.5.12 / 0.5.23): begin while a session is open, end without one
 (400, success false, SGLang's messages); an invalid pause mode or selector (400).
 Refusals SGLang does not make, added where p2p correctness needs them (messages start with "loopback:"):
-- begin_weight_update while generation runs: one-sided writes into a serving engine mix old and new weights;
-- release_memory_occupation while generation runs (SGLang asserts the scheduler is idle instead);
+- release_memory_occupation while generation runs (SGLang asserts the scheduler is idle instead: an error too);
 - resume_memory_occupation of a tag that is not released (SGLang's scheduler fails on it with a KeyError).
 
 What SGLang allows, the loopback allows too, and records as a *violation* event (method "LOOPBACK", the
@@ -12,6 +11,9 @@ violation's name as path) so a test can see it:
 - `resumed_inside_weight_update_session`: continue_generation does not check for an open session, so a
   replica whose weights are half written would serve them;
 - `resumed_with_kv_cache_released`: continue_generation does not check the KV cache either;
+- `weight_update_began_while_generating`: begin_weight_update does not check that generation is paused;
+- `weights_written_while_serving`: a one-sided write landed while generation ran (seen at the next pause: some
+  rank's weight digest differs from the one generation started on); SGLang cannot see such writes at all;
 - `served_stale_prefix_cache`: generation resumed while the prefix cache holds KV computed with weights that
   have changed since (SGLang empties it on /flush_cache and when the KV cache is released; its own weight
   loaders flush after an update, but one-sided writes bypass them). The cache is tracked as the per-rank
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")  # SGLang's GPU_MEMORY_ALL_TYPES
@@ -50,6 +53,7 @@ class LifecycleState:
     weight_version: str = "default"
     sessions_completed: int = 0
     prefix_cache_from: dict[str, str] | None = None  # rank -> digest of the weights its cached KV came from
+    serving_from: dict[str, str] | None = None  # rank -> digest of the weights when generation last started
 
 
 @dataclass(frozen=True)
@@ -86,10 +90,27 @@ class Lifecycle:
             return list(self._events[since:])
 
     # -- transitions (callers hold `lock` across the check, the rank work and the commit)
-    def pause(self, mode: str) -> None:
+    def pause(self, mode: str, digests: Callable[[], dict[int, str | None]]) -> list[tuple[str, str]]:
+        """Pause; returns the violations to record. `digests` (read only when generation ran) gives every rank's
+        weight digest now, to see writes that landed while it served."""
         if mode not in PAUSE_MODES:
             raise Refused(f"Invalid mode: {mode!r}. Expected one of {list(PAUSE_MODES)}.")
+        violations = []
+        if not self.state.paused and self.state.serving_from is not None:
+            now = digests()
+            changed = sorted(
+                r for r, d in now.items() if d is not None and self.state.serving_from.get(str(r)) not in (None, d)
+            )
+            if changed:
+                violations.append(
+                    (
+                        "weights_written_while_serving",
+                        f"loopback: the weights of rank(s) {changed} changed while generation ran (a write into a "
+                        "serving engine: its answers mixed old and new weights)",
+                    )
+                )
         self.state.paused, self.state.pause_mode = True, mode
+        return violations
 
     def resume_generation(self, digests: dict[int, str | None]) -> list[tuple[str, str]]:
         """Resume (as SGLang does, whatever the state); returns the violations (name, message) to record.
@@ -125,6 +146,7 @@ class Lifecycle:
         current.update({str(r): d for r, d in digests.items() if d is not None})
         self.state.paused, self.state.pause_mode = False, None
         self.state.prefix_cache_from = current
+        self.state.serving_from = {str(r): d for r, d in digests.items() if d is not None}
         return violations
 
     def flush_cache(self) -> None:
@@ -160,12 +182,20 @@ class Lifecycle:
             raise Refused(f"Invalid selector: {selector!r}. Expected one of {list(SELECTORS)}.")
         if self.state.session_open:
             raise Refused("a weight-update session is already open; call end_weight_update() first")
-        if not self.state.paused:
-            raise Refused("loopback: begin_weight_update while generation runs; call pause_generation first")
 
-    def begin(self, selector: str) -> None:
+    def begin(self, selector: str) -> list[tuple[str, str]]:
+        """Open the session (as SGLang: also while generation runs); returns the violations to record."""
         self.check_begin(selector)
         self.state.session_open, self.state.session_selector = True, selector
+        if self.state.paused:
+            return []
+        return [
+            (
+                "weight_update_began_while_generating",
+                "loopback: begin_weight_update while generation runs (SGLang does not check): writes into this "
+                "session would land in a serving engine",
+            )
+        ]
 
     def check_end(self) -> None:
         if not self.state.session_open:

@@ -3,7 +3,9 @@
 Before the first sync every replica snapshots its weights and then overwrites them with random values
 (`reset_tensors`); after the first sync `compare` must pass on every replica, so a tensor the sync missed
 shows up as a mismatch instead of silently keeping its checkpoint value. Only meaningful when the trainer's
-initial weights are the rollout's checkpoint: a trainer resumed from a checkpoint skips it.
+initial weights are the rollout's checkpoint: a trainer resumed from a checkpoint skips it. A replica whose
+compare failed (or that was not compared: its push failed) stays armed and is compared again after every later
+sync until it passes; the lifecycle keeps it stale meanwhile, so a wrong write is never forgotten.
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ def checker_fields(config: P2PConfig, server_version: str | None, action: str) -
 
 
 class WeightUpdateChecker:
-    """Arms (snapshot + reset) once before the first sync and compares once after it."""
+    """Arms (snapshot + reset) once before the first sync; compares each armed replica after every sync until
+    its compare passed."""
 
     def __init__(self, config: P2PConfig, resumed_from_checkpoint: bool = False):
         self.config = config
@@ -73,7 +76,7 @@ class WeightUpdateChecker:
                     "check_weight_update_equal skipped: the trainer resumed from a checkpoint, so its weights "
                     "differ from the rollout's initial checkpoint by design"
                 )
-        self._armed: dict[int, Any] = {}  # engine -> adapter snapshotted and reset
+        self._armed: dict[int, Any] = {}  # engine -> adapter snapshotted and reset, its compare not passed yet
         self._noted: set[str] = set()
 
     @property
@@ -93,11 +96,29 @@ class WeightUpdateChecker:
         logger.info("check_weight_update_equal: snapshot + reset_tensors done on %d replica(s)", len(adapters))
 
     async def compare(self, adapters: Sequence[Any]) -> None:
-        """`compare` on every armed replica still present; raises WeightCheckError naming each mismatch."""
+        """`compare` on every armed replica among `adapters`; raises WeightCheckError naming each mismatch.
+        Those that passed are done; the others (failed, or not among `adapters`) are compared next time."""
         targets = [a for a in adapters if a.engine in self._armed]
-        self.state = "done"
-        await self._each(targets, ("compare",), "after the first sync")
+        failed = frozenset(a.engine for a in targets)  # until shown otherwise
+        try:
+            await self._each(targets, ("compare",), "after the first sync")
+            failed = frozenset()
+        except WeightCheckError as exc:
+            failed = exc.engines or failed
+            raise
+        finally:
+            for adapter in targets:
+                if adapter.engine not in failed:
+                    self._armed.pop(adapter.engine, None)
+            if not self._armed:
+                self.state = "done"
         logger.info("check_weight_update_equal: compare passed on %d replica(s)", len(targets))
+
+    def forget(self, engine: int) -> None:
+        """A replica replaced by a new server (never snapshotted): nothing to compare it with."""
+        self._armed.pop(engine, None)
+        if self.state == "armed" and not self._armed:
+            self.state = "done"
 
     async def _each(self, adapters: Sequence[Any], actions: Sequence[str], when: str) -> None:
         async def one(adapter) -> list[str]:

@@ -3,7 +3,7 @@
     abort -> release KV (when the rollout frees it) -> [checker: snapshot + reset, once] -> begin session
     -> connect (cached) -> push [-> re-push the targets left unknown, `p2p_push_retries` times]
     -> per replica whose every target got all its bytes: bump version -> end session -> [checker: compare,
-       once] -> resume KV -> flush prefix cache -> resume generation
+       until passed] -> resume KV -> flush prefix cache -> resume generation
 
 Each step runs on every replica in parallel, in lockstep. Before the push nothing is written: a step that fails
 on any replica stops the forward steps (the push never runs after a failed begin/connect) and every replica is
@@ -18,7 +18,9 @@ resumed: real SGLang resumes generation whatever state its weights are in. It is
 and stays stale, paused, across syncs until a sync writes it completely and takes it through every step, which
 then resumes it. The others are versioned, flushed and resumed at once. A failed push is retried within the
 sync for the targets it left unknown, after re-reading their rank info (a restarted rank publishes a new
-session); the retry writes only those targets, and the others wait for it before they resume. SGLang flushes
+session); the retry writes only those targets, and the others wait for it before they resume. An engine whose
+rank info changed is a restarted server (generating, no session): it is aborted, KV-released and begun, as on
+the normal path, before the retry writes it, or left out of it (stale) when one of those steps fails. SGLang flushes
 its prefix cache after the weight updates it performs itself, but one-sided writes bypass its loader: without
 the flush, prefixes cached with the old weights would be served after the sync. docs/failures.md has what each
 failure leaves behind.
@@ -37,6 +39,7 @@ change. A retry's Connection is `partial` (only the targets to re-push) and has 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
@@ -207,6 +210,8 @@ class SyncLifecycle:
             self._forget(engine)
 
     def _forget(self, engine: int) -> None:
+        if self.checker is not None:
+            self.checker.forget(engine)
         self._answers.pop(engine, None)
         self._stale.pop(engine, None)
         self._open_sessions.discard(engine)
@@ -451,13 +456,17 @@ class SyncLifecycle:
             if not unknown:
                 break
             t0 = time.perf_counter()
-            retry, found = await self._retry_connection(unknown)
+            retry, found, restarted = await self._retry_connection(unknown)
             failures += found
             for failure in found:
                 run.reasons[failure.engine] = (
                     run.reasons.get(failure.engine, "its bytes are unknown after the push")
                     + f"; its rank info could not be re-read for re-push {attempt}: {_first_line(failure.error)}"
                 )
+            restarted |= run.unprepared & set(retry.engines if retry is not None else ())
+            if retry is not None and restarted:
+                retry, found = await self._reprepare(run, retry, restarted, attempt)
+                failures += found
             if retry is None:
                 break
             logger.warning(
@@ -486,9 +495,11 @@ class SyncLifecycle:
             logger.warning("p2p: the push failed, its re-push succeeded: %s", "; ".join(map(str, failures)))
         return unknown
 
-    async def _retry_connection(self, unknown: set[TargetRank]) -> tuple[Connection | None, list[ReplicaFailure]]:
+    async def _retry_connection(
+        self, unknown: set[TargetRank]
+    ) -> tuple[Connection | None, list[ReplicaFailure], set[int]]:
         """A partial Connection over the unknown targets, their engines' rank info re-read (every target of an
-        engine whose info changed: a restarted server)."""
+        engine whose info changed: a restarted server), and the engines whose info changed."""
         engines = sorted({t.engine for t in unknown if t.engine in self._adapters})
         probed = [self._adapters[e] for e in engines]
         results = dict(zip(engines, await self._probe_all(probed, force=True), strict=True))
@@ -506,7 +517,7 @@ class SyncLifecycle:
         changed = full.changed_engines if reconnected else frozenset()
         targets = sorted(t for t in full.targets if t.engine in ok and (t in unknown or t.engine in changed))
         if not targets:
-            return None, failures
+            return None, failures, set()
         partial = Connection(
             generation=self._next_generation(),
             server_infos={e: full.server_infos[e] for e in sorted({t.engine for t in targets})},
@@ -515,7 +526,47 @@ class SyncLifecycle:
             changed_engines=frozenset(t.engine for t in targets),
             partial=True,
         )
-        return partial, failures
+        return partial, failures, {e for e in changed if e in partial.server_infos}
+
+    async def _reprepare(
+        self, run: _Run, retry: Connection, restarted: set[int], attempt: int
+    ) -> tuple[Connection | None, list[ReplicaFailure]]:
+        """Engines whose rank info changed are new servers (a scheduler's transfer engine lives as long as its
+        process): generating, KV allocated, no session. Before the re-push writes them they go through the
+        normal path's steps (abort, release KV, begin); one where a step fails is left out of the re-push
+        (unknown, named). The new server never saw the checker's snapshot: it is not compared."""
+        adapters = [self._adapters[e] for e in sorted(restarted)]
+        for adapter in adapters:
+            if self.checker is not None:
+                self.checker.forget(adapter.engine)
+        live, failures = list(adapters), []
+        steps = [("abort", lambda a: a.pause())]
+        steps += [("release_kv", lambda a: a.release_kv())] if self.frees_kv else []
+        steps += [("begin", self._begin)]
+        for name, action in steps:
+            found = await run.step(f"{name} (restarted, before re-push {attempt})", live, action)
+            failures += found
+            for failure in found:
+                run.reasons[failure.engine] = (
+                    f"its server restarted during the sync and {name} failed on it before re-push {attempt}: "
+                    f"{_first_line(failure.error)}"
+                )
+            live = [a for a in live if a.engine not in {f.engine for f in found}]
+        left_out = restarted - {a.engine for a in live}
+        run.unprepared = set(left_out)  # a later re-push must prepare them first too
+        targets = [t for t in retry.targets if t.engine not in left_out]
+        if not targets:
+            return None, failures
+        return (
+            dataclasses.replace(
+                retry,
+                server_infos={e: i for e, i in retry.server_infos.items() if e not in left_out},
+                rank_infos={t: retry.rank_infos[t] for t in targets},
+                layouts={t: retry.layouts[t] for t in targets},
+                changed_engines=frozenset(e for e in retry.changed_engines if e not in left_out),
+            ),
+            failures,
+        )
 
     # ---- after the push: each replica on its own ----------------------------------------------------------------
 
@@ -601,6 +652,7 @@ class _Run:
         self.connection: Connection | None = lifecycle._connection
         self.reconnected = False
         self.retried: list[TargetRank] = []
+        self.unprepared: set[int] = set()  # restarted engines whose abort/release/begin before a re-push failed
         self.reasons: dict[int, str] = {}  # engine -> why the push left its bytes unknown
         self.stale: dict[int, str] = {}  # engine -> why this sync leaves it paused
 

@@ -23,15 +23,18 @@ from typing import Any, Protocol
 
 import torch
 
-from verl_p2p.errors import P2PError, UnsupportedLayoutError
+from verl_p2p.errors import TransferError, UnsupportedLayoutError
 from verl_p2p.planning.targets import RemoteRankInfo, TargetRank
 from verl_p2p.trainer.stream_checks import StreamRefusedError, check_fp8_export, refusal
 from verl_p2p.transfer.buffers import ALIGN, Slot, TransferBuffers
 from verl_p2p.transfer.writer import TargetFailure, WriteEntry, Writer, push_error
 
 
-class IncompletePushError(P2PError):
-    """The HF stream ended before every parameter of every target could be written."""
+class IncompletePushError(TransferError):
+    """The HF stream ended before every parameter of every target could be written.
+
+    `unknown_targets` (see TransferError): every target of a group with a parameter not written, plus every
+    target whose writes failed; the others received all their bytes."""
 
 
 class ParamPlanLike(Protocol):
@@ -409,17 +412,22 @@ def push(
         else:
             where = "; it was refused before anything was loaded from it and nothing was written"
         raise StreamRefusedError(refused + where)
-    if pusher.failures:
-        raise push_error(pusher.failures[t] for t in sorted(pusher.failures))
-    _check_complete(groups)
+    failed = [pusher.failures[t] for t in sorted(pusher.failures)]
+    _check_complete(groups, failed)
+    if failed:
+        raise push_error(failed)
     return metrics
 
 
-def _check_complete(groups: Sequence[_Group]) -> None:
-    problems = []
+def _check_complete(groups: Sequence[_Group], failed: Sequence[TargetFailure] = ()) -> None:
+    """Raise IncompletePushError when a group has a parameter not written, whatever else failed: its targets'
+    completeness is not proven, so they count as unknown together with the `failed` ones (a transport failure
+    must never hide an incomplete export: the other targets would be resumed half-written)."""
+    problems, incomplete = [], set()
     for g in groups:
         missing = sorted(set(g.params) - g.done)
         if missing:
+            incomplete.update(t.target for t in g.targets)
             pending = g.stager.pending()
             lacking = sorted({n for p in missing for n in pending.get(p, ())})
             problems.append(
@@ -427,9 +435,14 @@ def _check_complete(groups: Sequence[_Group]) -> None:
                 f"{' ...' if len(missing) > 5 else ''}); the HF stream lacked {lacking[:8]}"
                 f"{' ...' if len(lacking) > 8 else ''}"
             )
-    if problems:
-        raise IncompletePushError(
-            "the HF stream ended before every parameter could be written; those rollout ranks now hold a mix of "
-            "old and new weights:\n  " + "\n  ".join(problems) + "\nCheck the trainer export yields every tensor of "
-            "this PP stage (export_mode, PP-local export) with the names the rollout's checkpoint uses."
-        )
+    if not problems:
+        return
+    also = ""
+    if failed:
+        also = "\nWrites also failed (their weights are unknown too):\n  " + "\n  ".join(f.describe() for f in failed)
+    raise IncompletePushError(
+        "the HF stream ended before every parameter could be written; those rollout ranks now hold a mix of "
+        "old and new weights:\n  " + "\n  ".join(problems) + also + "\nCheck the trainer export yields every "
+        "tensor of this PP stage (export_mode, PP-local export) with the names the rollout's checkpoint uses.",
+        unknown_targets=incomplete | {f.target for f in failed},
+    )

@@ -5,7 +5,10 @@ order, so a dead or frozen target never delays the others. At most `num_workers`
 once. Mooncake's sync write blocks on a frozen peer until its own timeout; we do not wait for it: a
 target's write that passes `timeout_s` fails the target at once, its lane may stay blocked (the buffer
 slot it reads from stays quarantined until the call returns), later writes to it are dropped, and
-writes to every other target carry on.
+writes to every other target carry on. The deadline is watched over every call in flight, whichever batch
+is waited on, and a call past it gives back its worker: blocked calls to frozen targets never keep a healthy
+target's queued write from starting (with more frozen targets than workers it would otherwise wait for
+Mooncake's own timeout).
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ class _Job:
     lengths: list[int]
     batch: WriteBatch
     started: float | None = None
+    holds_worker: bool = False  # counts against num_workers (until it returns or passes its deadline)
     done: bool = False
     cancelled: bool = False
     error: str | None = None
@@ -114,26 +118,31 @@ class _Lane:
             with w._cond:
                 if self._skip(job):
                     continue
-            with w._workers:
-                with w._cond:
-                    if self._skip(job):
-                        continue
-                    job.started = time.monotonic()
-                    self.busy = True
-                    w._cond.notify_all()
-                try:
-                    w.transport.write(job.session_id, job.local, job.remote, job.lengths)
-                except TransferError as exc:
-                    job.error = str(exc)
-                except Exception as exc:  # noqa: BLE001 - any transport fault fails this target only
-                    job.error = f"{type(exc).__name__}: {exc}"
-                with w._cond:
-                    self.busy = False
-                    job.done = True
-                    if job.error is not None:
-                        w._fail(job, job.error)
-                    job.batch._job_finished()
-                    w._cond.notify_all()
+            w._workers.acquire()
+            with w._cond:
+                if self._skip(job):
+                    w._workers.release()
+                    continue
+                job.started = time.monotonic()
+                job.holds_worker = True
+                w._inflight.add(job)
+                self.busy = True
+                w._cond.notify_all()
+            try:
+                w.transport.write(job.session_id, job.local, job.remote, job.lengths)
+            except TransferError as exc:
+                job.error = str(exc)
+            except Exception as exc:  # noqa: BLE001 - any transport fault fails this target only
+                job.error = f"{type(exc).__name__}: {exc}"
+            with w._cond:
+                w._give_back_worker(job)
+                w._inflight.discard(job)
+                self.busy = False
+                job.done = True
+                if job.error is not None:
+                    w._fail(job, job.error)
+                job.batch._job_finished()
+                w._cond.notify_all()
 
 
 class Writer:
@@ -155,6 +164,7 @@ class Writer:
         self._workers = threading.BoundedSemaphore(num_workers)
         self._cond = threading.Condition()
         self._lanes: dict[TargetRank, _Lane] = {}
+        self._inflight: set[_Job] = set()  # calls started and not returned, of every batch
         self.failed: dict[TargetRank, TargetFailure] = {}
 
     # ------------------------------------------------------------------ validation
@@ -294,12 +304,35 @@ class Writer:
                     queued.cancelled = queued.done = True
                     queued.batch._job_finished()
 
+    def _give_back_worker(self, job: _Job) -> None:
+        """The job's call no longer counts against num_workers (caller holds _cond)."""
+        if job.holds_worker:
+            job.holds_worker = False
+            self._workers.release()
+
+    def _expire(self, now: float) -> float | None:
+        """Fail every call in flight (any batch) past its deadline and give back its worker, so queued writes
+        to other targets can start; the earliest deadline still ahead (caller holds _cond)."""
+        ahead = None
+        for job in list(self._inflight):
+            if not job.holds_worker:
+                continue
+            deadline = job.started + self.timeout_s
+            if now >= deadline:
+                self._fail(job, f"write of {sum(job.lengths)} bytes timed out after {self.timeout_s:g} s")
+                self._give_back_worker(job)
+                self._cond.notify_all()
+            else:
+                ahead = deadline if ahead is None else min(ahead, deadline)
+        return ahead
+
     def _wait(self, batch: WriteBatch) -> list[TargetFailure]:
         failed: dict[TargetRank, TargetFailure] = {}
         with self._cond:
             while True:
                 now = time.monotonic()
-                next_deadline = None
+                next_deadline = self._expire(now)
+                pending = False
                 for job in batch.jobs:
                     if job.target in failed or (job.done and job.error is None and not job.cancelled):
                         continue
@@ -311,16 +344,15 @@ class Writer:
                         job.cancelled = job.done = True  # its target failed in another batch: skip it
                         batch._job_finished()
                     elif not job.cancelled and job.target not in self.failed:
-                        started = job.started if job.started is not None else now
-                        deadline = started + self.timeout_s
-                        next_deadline = deadline if next_deadline is None else min(next_deadline, deadline)
+                        pending = True  # started: its deadline is watched by _expire; queued: woken when it starts
                         continue
                     failed[job.target] = self.failed.get(job.target) or TargetFailure(
                         job.target, job.session_id, "skipped: this target failed earlier in the push"
                     )
-                if next_deadline is None:
+                if not pending:
                     return [failed[t] for t in sorted(failed)]
-                self._cond.wait(timeout=max(0.0, next_deadline - now) + 1e-3)
+                wake = None if next_deadline is None else max(0.0, next_deadline - now) + 1e-3
+                self._cond.wait(timeout=wake)
 
     def close(self) -> None:
         """Stop the idle lanes; a lane blocked in the transport exits when its call returns."""

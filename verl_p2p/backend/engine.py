@@ -37,7 +37,7 @@ from typing import Any
 from verl.checkpoint_engine.base import CheckpointEngine
 
 from verl_p2p.backend import metrics as p2p_metrics
-from verl_p2p.backend.plugin import register_engine
+from verl_p2p.backend.identity import register_engine
 from verl_p2p.backend.roles import (
     Role,
     RolloutIdentity,
@@ -71,7 +71,7 @@ def run_sync(coro: Coroutine) -> Any:
 
 class P2PCheckpointEngine(CheckpointEngine):
     """Checkpoint engine `verl_p2p` (also `p2p`): trainer sources write straight into SGLang rollout ranks'
-    weight memory. Registered by `plugin.register_engine` below.
+    weight memory. Registered by `identity.register_engine` below.
 
     Args:
         bucket_size: verl's `update_weights_bucket_megabytes` in bytes; unused (p2p sizes its transfer slots

@@ -107,6 +107,12 @@ class P2PConfig:
         ):
             if not isinstance(getattr(self, key), bool):
                 errors.append(f"{key}={getattr(self, key)!r} (true or false)")
+        if self.staging == "gpu" and self.protocol == "tcp":
+            errors.append(
+                "staging='gpu' with protocol='tcp' (Mooncake's tcp path stages GPU memory through the host: GPU -> "
+                "host-memory writes arrived corrupted on an H200; use staging=pinned or auto over tcp, or "
+                "protocol=rdma)"
+            )
         if self.plan_cache_dir is not None and not isinstance(self.plan_cache_dir, str):
             errors.append(f"plan_cache_dir={self.plan_cache_dir!r} (a directory path, or '' to disable the plan cache)")
         for key in _NAME_LISTS:

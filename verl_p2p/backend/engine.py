@@ -60,7 +60,13 @@ TRAINER, LEADER, FOLLOWER = "trainer", "rollout_leader", "rollout_follower"
 
 
 def run_sync(coro: Coroutine) -> Any:
-    """Run a coroutine to completion from sync code, also inside a running event loop (Ray async actors)."""
+    """Run a coroutine to completion from sync code, also inside a running event loop (Ray async actors).
+
+    verl's `prepare` and `finalize` hooks are sync, and verl's CheckpointEngineWorker is a Ray async actor (it
+    has `async def update_weights`), whose sync methods Ray runs on the actor's event loop thread
+    (`ray._private.async_compat.sync_to_async`). Refusing a running loop would refuse every rollout worker, and
+    the hook must return its answer, so the caller's thread waits: the coroutine runs on its own loop in a
+    worker thread, never on the caller's loop (which it cannot reach while that loop waits on it)."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:

@@ -3,6 +3,7 @@
 Answers, before a sync depends on it, whether this Mooncake build moves bytes out of and into GPU memory over
 the chosen protocol, and at what rate: the ceiling a p2p push over that protocol can reach on this host.
 Each case writes `--mb` MiB from a sender buffer into a receiver buffer `--repeats` times and checks every byte.
+`--cases host:host` (pageable host memory both sides) runs without a GPU: CI's smoke run of this script.
 
     python3 scripts/gpu_mooncake_check.py --mb 1024 --repeats 3 --out mooncake_check.json
 """
@@ -25,7 +26,7 @@ def _buffer(kind: str, nbytes: int):
 
     if kind == "gpu":
         return torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=kind == "pinned")  # "host": pageable (CPU smoke)
 
 
 def _receiver(kind: str, nbytes: int, protocol: str, conn) -> None:
@@ -43,8 +44,11 @@ def _receiver(kind: str, nbytes: int, protocol: str, conn) -> None:
         if buf.is_cuda:
             torch.cuda.synchronize()
         expected = torch.arange(nbytes, dtype=torch.int64, device=buf.device).remainder_(251).to(torch.uint8)
-        conn.send(bool(torch.equal(buf, expected)))
-        buf.zero_()
+        equal = bool(torch.equal(buf, expected))
+        buf.zero_()  # before answering: the sender's next write starts on the answer, and must land after this
+        if buf.is_cuda:
+            torch.cuda.synchronize()
+        conn.send(equal)
 
 
 def run_case(src_kind: str, dst_kind: str, nbytes: int, repeats: int, protocol: str) -> dict:
@@ -96,17 +100,29 @@ def run_case(src_kind: str, dst_kind: str, nbytes: int, repeats: int, protocol: 
         proc.join(timeout=10)
 
 
-def main() -> int:
+DEFAULT_CASES = ("gpu:gpu", "pinned:gpu", "gpu:pinned", "pinned:pinned")
+KINDS = ("gpu", "pinned", "host")
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mb", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--protocol", default="tcp")
     parser.add_argument("--out", default=None)
-    args = parser.parse_args()
+    parser.add_argument(
+        "--cases",
+        default=",".join(DEFAULT_CASES),
+        help="comma list of src:dst among gpu, pinned, host (host:host runs without a GPU: CI's smoke run)",
+    )
+    args = parser.parse_args(argv)
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     nbytes = args.mb << 20
-    cases = [run_case(s, d, nbytes, args.repeats, args.protocol) for s, d in
-             (("gpu", "gpu"), ("pinned", "gpu"), ("gpu", "pinned"), ("pinned", "pinned"))]  # fmt: skip
+    pairs = [tuple(case.split(":")) for case in args.cases.split(",") if case]
+    bad = [":".join(p) for p in pairs if len(p) != 2 or not set(p) <= set(KINDS)]
+    if bad or not pairs:
+        parser.error(f"--cases {bad or args.cases!r}: give src:dst pairs of {', '.join(KINDS)}")
+    cases = [run_case(s, d, nbytes, args.repeats, args.protocol) for s, d in pairs]
     for c in cases:
         what = f"{c['gbps_best']:.2f} GB/s, bytes equal: {c['bytes_equal']}" if "error" not in c else c["error"]
         print(f"{c['src']:>6} -> {c['dst']:<6} {what}")

@@ -6,9 +6,11 @@
 Each engine is its own `python -m verl_p2p.loopback serve` process (its control plane does not share this
 process's GIL, as a real SGLang server would not), with real rank processes, and claims SGLang 0.5.23 so every
 sync runs the full sequence: abort, release KV, begin, connect (cached; rank info re-read, overlapped), push,
-bump version, end, resume KV, resume. The push is empty, so `control_plane` (= total - push) is the whole sync.
+bump version, end, resume KV, flush the prefix cache, resume. The push is empty, so `control_plane`
+(= total - push) is the whole sync.
 Reuses `measure_overhead` of scripts/bench_lifecycle.py; afterwards checks each engine's event log shows every
 measured sync's calls, all answered 200. Goal (issue #3): control_plane median <= 50 ms for 4 engines.
+`--smoke` (CI, tests/test_scripts.py): a few syncs, the call sequences checked, the goal not judged.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ SEQUENCE = [
     "/update_weight_version",
     "/end_weight_update",
     "/resume_memory_occupation",
+    "/flush_cache",
     "/continue_generation",
 ]
 
@@ -107,7 +110,7 @@ def stand_in_baseline(engines: int, tp: int, syncs: int) -> dict:
         return json.loads(out.read_text())
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engines", type=int, default=4)
     parser.add_argument("--tp", type=int, default=2, help="ranks per engine")
@@ -115,7 +118,10 @@ def main() -> int:
     parser.add_argument("--sglang-version", default="0.5.23", help="release the engines imitate (>= 0.5.22: sessions)")
     parser.add_argument("--no-baseline", action="store_true", help="skip the stand-in run for comparison")
     parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
+    parser.add_argument(
+        "--smoke", action="store_true", help="CI: check the syncs' call sequences only; the goal is not judged"
+    )
+    args = parser.parse_args(argv)
 
     with tempfile.TemporaryDirectory(prefix="verl-p2p-overhead-") as tmp:
         model = write_tiny_checkpoint(Path(tmp) / "qwen3", "qwen3")
@@ -155,9 +161,10 @@ def main() -> int:
         )
     verdict = "meets" if median <= GOAL_MS else "MISSES"
     print(f"control plane median {median:.2f} ms {verdict} the goal of <= {GOAL_MS:.0f} ms per sync")
+    result["calls_checked"] = True  # check_events passed: every sync's sequence, every call answered 200
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
-    return 0 if median <= GOAL_MS else 1
+    return 0 if args.smoke or median <= GOAL_MS else 1
 
 
 if __name__ == "__main__":

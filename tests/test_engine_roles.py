@@ -503,3 +503,32 @@ def test_rollout_leader_checks_the_first_sync_when_asked(server, pushed):
         with pytest.raises(WeightCheckError, match="compare failed on engine 2"):
             engine.finalize()
     assert not server.session_open and server.weight_version == "0"  # the version is bumped before comparing
+
+
+def test_run_sync_inside_a_running_loop_runs_the_coroutine_on_its_own_loop_and_thread():
+    """As Ray runs a sync hook of an async actor: on the loop's thread, inside a coroutine (sync_to_async)."""
+    import threading
+
+    from ray._private.async_compat import sync_to_async
+
+    where = {}
+
+    async def work(fail: bool) -> str:
+        where["loop"], where["thread"] = asyncio.get_running_loop(), threading.get_ident()
+        if fail:
+            raise ValueError("from the coroutine")
+        return "answer"
+
+    def hook(fail: bool = False) -> str:
+        return engine_module.run_sync(work(fail))
+
+    async def actor_loop():
+        caller = asyncio.get_running_loop(), threading.get_ident()
+        answer = await sync_to_async(hook)()
+        assert (where["loop"], where["thread"]) != caller and where["loop"] is not caller[0]
+        with pytest.raises(ValueError, match="from the coroutine"):
+            await sync_to_async(hook)(True)
+        return answer
+
+    assert asyncio.run(actor_loop()) == "answer"
+    assert hook() == "answer"  # no loop running: asyncio.run on this thread

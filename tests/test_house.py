@@ -39,12 +39,16 @@ def modules() -> dict[str, Path]:
 
 
 def imported_modules(path: Path, known: dict[str, Path]) -> set[str]:
-    """Modules of the package that `path` imports (anywhere in it, lazy imports included), and the external
-    top-level packages it imports, as names."""
+    """Modules of the package that `path` imports (anywhere in it, lazy imports included, and
+    `importlib.import_module("...")` / `__import__("...")` of a literal name), and the external top-level packages
+    it imports, as names."""
     tree = ast.parse(path.read_text())
     names = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
+        literal = _literal_import(node)
+        if literal is not None:
+            names.add(literal)
+        elif isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
@@ -52,6 +56,17 @@ def imported_modules(path: Path, known: dict[str, Path]) -> set[str]:
                 if f"{node.module}.{alias.name}" in known:
                     names.add(f"{node.module}.{alias.name}")
     return names
+
+
+def _literal_import(node: ast.AST) -> str | None:
+    """The module a call `importlib.import_module("x.y")`, `import_module("x.y")` or `__import__("x.y")` imports."""
+    if not isinstance(node, ast.Call) or not node.args or not isinstance(node.args[0], ast.Constant):
+        return None
+    func = node.func
+    name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+    if name not in ("import_module", "__import__") or not isinstance(node.args[0].value, str):
+        return None
+    return node.args[0].value
 
 
 def project_text_files() -> list[Path]:
@@ -154,6 +169,16 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_cycle_finder_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_literal_dynamic_imports_count_as_imports(tmp_path):
+    """A module reaching another through `importlib.import_module("...")` needs it as much as through `import`:
+    the engine <-> plugin circle went unseen while only import statements counted."""
+    known = {"pkg.a": tmp_path / "a.py", "pkg.b": tmp_path / "b.py"}
+    known["pkg.a"].write_text("import importlib\n\ndef f():\n    importlib.import_module('pkg.b')\n")
+    known["pkg.b"].write_text("from pkg.a import f\n")
+    graph = {n: {m for m in imported_modules(p, known) if m in known and m != n} for n, p in known.items()}
+    assert _cycles(graph) == [["pkg.a", "pkg.b"]]
 
 
 def test_no_import_cycles_between_modules():

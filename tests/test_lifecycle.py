@@ -153,10 +153,12 @@ def test_flush_is_retried_while_busy_and_a_replica_never_flushed_stays_paused(fa
     assert_restored(servers[0])
 
     servers[1].fail("flush_cache", 400, busy)  # never succeeds
+    before = servers[1].calls.count("flush_cache")
     start = time.monotonic()
-    with pytest.raises(SyncError) as info:
+    with pytest.raises(SyncError) as info:  # a retry without end would hang here
         asyncio.run(lifecycle.sync(2, push))
-    assert 1.0 <= time.monotonic() - start < 5.0  # retried until http_timeout (2 s) would have passed
+    assert time.monotonic() - start >= 1.0  # retried until http_timeout (2 s) would have passed, not given up early
+    assert servers[1].calls.count("flush_cache") - before > 1
     error = info.value
     print(error)
     assert [(f.step, f.engine) for f in error.failures] == [("flush_cache", 1)]
@@ -456,14 +458,15 @@ def test_overlapping_syncs_are_refused(fakes):
 
     async def main():
         first = asyncio.create_task(lifecycle.sync(1, writer({0: server})))
-        await asyncio.sleep(0.05)
+        while "pause_generation" not in server.calls:  # the first sync is inside its (delayed) pause
+            await asyncio.sleep(0.01)
         with pytest.raises(RuntimeError, match="already running"):
             await lifecycle.sync(2, writer({0: server}))
+        assert not first.done()  # refused while the first still ran, not queued behind it
         await first
 
-    start = time.monotonic()
     asyncio.run(main())
-    assert time.monotonic() - start < 2 and server.weight_version == "1"
+    assert server.weight_version == "1" and server.calls.count("pause_generation") == 1
 
 
 def test_stale_open_session_is_closed_and_the_next_sync_works(fakes):

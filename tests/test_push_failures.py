@@ -168,9 +168,7 @@ def _fails_mid_write(model, receivers, transport, action_name):
     metrics, error, start, end = run_push(hooked, model, receivers)
     hooked.returned_by_end = hooked.returned is not None and hooked.returned <= end
     assert metrics is None and error is not None
-    elapsed = end - start
     assert hooked.started is not None and hooked.started < hooked.acted, "the signal did not land in a write"
-    assert elapsed < TIMEOUT_S + MARGIN_S, elapsed
     msg = str(error)
     assert f"engine 1 rank 0 (session {victim.session_id})" in msg
     assert "engine 0 rank 0" not in msg and "engine 0 rank 1" not in msg and "engine 1 rank 1" not in msg
@@ -181,7 +179,7 @@ def _fails_mid_write(model, receivers, transport, action_name):
 def test_killed_target_fails_push_others_complete(model, receivers, transport):
     hooked, msg, end = _fails_mid_write(model, receivers, transport, "kill")
     assert hooked.acted < hooked.returned and hooked.failed is True  # the in-flight call failed: killed mid-write
-    assert end - hooked.acted < TIMEOUT_S  # a dead peer fails fast, well before the deadline
+    assert "timed out" not in msg  # a dead peer fails on the transport's error, not by waiting out the deadline
     replace_victim(receivers)
 
 

@@ -351,6 +351,34 @@ def test_a_name_no_rollout_parameter_takes_is_refused_unless_allowed(wire, qwen3
 
 
 @pytest.mark.slow  # a receiver process
+def test_a_published_param_no_sync_writes_is_refused_before_any_write_unless_allowed(wire, qwen3, tmp_path):
+    """A rollout rank publishing a parameter outside its write plan: it would keep its start-up value forever."""
+    from verl_p2p.errors import RemoteMismatchError
+    from verl_p2p.transfer.receiver import FILL_BYTE, spec_from_plan, start_receivers, stop_all
+
+    replica, _, transport = wire
+    frozen = "model.layers.0.mlp.frozen_adapter.weight"
+    spec = {**spec_from_plan(replica.plan.params), frozen: (16, "float32")}
+    handle = start_receivers({"extra": spec})["extra"]
+    try:
+        ours = (replica, handle, transport)
+        with pytest.raises(RemoteMismatchError) as refused:
+            push_into(ours, list(qwen3[2].items()))
+        text = str(refused.value)
+        assert f"engine 0 rank 0: 1 published param(s) no sync writes: [{frozen!r}]" in text
+        assert "nothing was written" in text and "unwritten_params_allowed" in text
+        assert all_fill(handle, tmp_path / "refused.pt")
+
+        metrics = push_into(ours, list(qwen3[2].items()), unwritten_allowed=("*.frozen_adapter.*",))
+        assert metrics.total_bytes == replica.plan.nbytes
+        got = handle.dump(str(tmp_path / "allowed.pt"))
+        assert bool((got[frozen] == FILL_BYTE).all())  # listed: left as it was
+        assert not any(bool((got[n] == FILL_BYTE).all()) for n in replica.plan.params)  # the rest was written
+    finally:
+        stop_all([handle])
+
+
+@pytest.mark.slow  # a receiver process
 def test_plain_float_casts_are_what_sglang_does_and_are_accepted(wire, qwen3):
     hf = [(n, t.to(torch.bfloat16)) for n, t in qwen3[2].items()]
     assert push_into(wire, hf).total_bytes == wire[0].plan.nbytes
@@ -382,6 +410,10 @@ def test_the_allow_list_option_parses_and_validates():
         P2PConfig.from_mapping({"unused_hf_tensors_allowed": [1, 2]})
     with pytest.raises(P2PConfigError, match="unused_hf_tensors_allowed"):
         P2PConfig.from_mapping({"unused_hf_tensors_allowed": 5})
+    assert P2PConfig.from_mapping({"unwritten_params_allowed": "x.*,y"}).unwritten_params_allowed == ("x.*", "y")
+    assert P2PConfig().unwritten_params_allowed == ()
+    with pytest.raises(P2PConfigError, match="unwritten_params_allowed"):
+        P2PConfig.from_mapping({"unwritten_params_allowed": [3]})
 
 
 # ---- (d) published ranges that overlap or cannot be real ---------------------------------------------------------

@@ -78,12 +78,10 @@ def test_success_false_with_200_is_an_error(fake):
         run(SGLangClient(server.url).update_weight_version("3"))
 
 
-def test_connection_refused_is_named_and_fast():
+def test_connection_refused_is_named_and_not_waited_out():
     url = f"http://127.0.0.1:{free_port()}"
-    start = time.monotonic()
-    with pytest.raises(RolloutCallError) as info:
-        run(SGLangClient(url, timeout=5).server_info())
-    assert time.monotonic() - start < 2
+    with pytest.raises(RolloutCallError) as info:  # a client waiting out its timeout would hang here for an hour
+        run(SGLangClient(url, timeout=3600).server_info())
     assert info.value.status is None
     assert info.value.server == url and info.value.route == "/server_info"
     assert "connection refused" in str(info.value)
@@ -91,12 +89,11 @@ def test_connection_refused_is_named_and_fast():
 
 def test_slow_server_times_out_within_bound(fake):
     server = fake()
-    server.delay("server_info", 5.0)
+    server.delay("server_info", 3600)  # held until the fake stops: returning at all means the client gave up
     client = SGLangClient(server.url, timeout=0.3)
-    start = time.monotonic()
     with pytest.raises(RolloutCallError) as info:
         run(client.server_info())
-    assert time.monotonic() - start < 1.5
+    assert server.calls.count("server_info") == 1  # it was asked once and its answer never came
     assert info.value.status is None
     assert "no answer within 0.3 s" in str(info.value) and "http_timeout" in str(info.value)
     # a per-call timeout overrides the client's default

@@ -3,11 +3,14 @@ support is detected."""
 
 from __future__ import annotations
 
+import importlib.metadata
+
 import pytest
 import torch
 
+from verl_p2p.config import P2PConfig
 from verl_p2p.errors import P2PConfigError
-from verl_p2p.transfer.mooncake import mooncake_gpu_memory_support
+from verl_p2p.transfer.mooncake import MOONCAKE_CUDA_DISTS, MOONCAKE_HOST_DISTS, mooncake_gpu_memory_support
 from verl_p2p.transfer.staging import choose_staging
 
 CUDA_BUILD = lambda: (True, "mooncake-transfer-engine 0.3.7 is a CUDA build of Mooncake")  # noqa: E731
@@ -25,11 +28,18 @@ def test_auto_takes_gpu_slots_only_with_cuda_tensors_and_a_cuda_mooncake():
     assert choose_staging("pinned", "cpu", CUDA_BUILD, cuda_available=False).kind == "host"
 
 
-def test_auto_keeps_host_slots_over_tcp():
-    # Mooncake's tcp transport copies GPU memory through the host itself: pinned slots are faster there
+def test_auto_keeps_host_slots_over_tcp_and_gpu_slots_over_tcp_are_refused():
+    # Mooncake's tcp transport copies GPU memory through the host itself: pinned slots are faster there, and
+    # GPU -> host-memory tcp writes arrived corrupted on an H200, so an explicit `gpu` over tcp is refused
     assert choose_staging("auto", "cuda:0", CUDA_BUILD, cuda_available=True, protocol="tcp").kind == "pinned"
-    assert choose_staging("gpu", "cuda:0", CUDA_BUILD, cuda_available=True, protocol="tcp").kind == "gpu"
     assert choose_staging("auto", "cuda:0", CUDA_BUILD, cuda_available=True, protocol="rdma").kind == "gpu"
+    assert choose_staging("gpu", "cuda:0", CUDA_BUILD, cuda_available=True, protocol="rdma").kind == "gpu"
+    with pytest.raises(P2PConfigError, match="staging=gpu with protocol=tcp.*arrived corrupted.*staging=pinned"):
+        choose_staging("gpu", "cuda:0", CUDA_BUILD, cuda_available=True, protocol="tcp")
+    with pytest.raises(P2PConfigError, match="staging='gpu' with protocol='tcp'.*arrived corrupted"):
+        P2PConfig.from_mapping({"staging": "gpu", "protocol": "tcp"})  # refused with the options, before a source
+    P2PConfig.from_mapping({"staging": "gpu", "protocol": "rdma"})
+    P2PConfig.from_mapping({"staging": "pinned", "protocol": "tcp"})
 
 
 def test_gpu_staging_refuses_what_cannot_work():
@@ -41,9 +51,40 @@ def test_gpu_staging_refuses_what_cannot_work():
         choose_staging("hbm", "cpu")
 
 
+def _installed_build() -> str | None:
+    for dist in MOONCAKE_HOST_DISTS + MOONCAKE_CUDA_DISTS:
+        try:
+            importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        return dist
+    return None
+
+
 def test_installed_mooncake_is_detected():
-    """This CPU host has mooncake-transfer-engine-non-cuda: no GPU memory, and auto stays on the host."""
+    """Whichever Mooncake wheel this host has: its name decides, and auto stays on the host without CUDA tensors."""
+    dist = _installed_build()
     ok, why = mooncake_gpu_memory_support()
-    assert not ok and "mooncake-transfer-engine-non-cuda" in why
+    assert dist is not None and dist in why  # the CI hosts install a wheel (non-cuda on CPU, a CUDA build on GPU)
+    assert ok == (dist in MOONCAKE_CUDA_DISTS)
     choice = choose_staging("auto", "cpu")
     assert choice.kind == ("pinned" if torch.cuda.is_available() else "host")
+
+
+@pytest.mark.parametrize(
+    "dist, gpu",
+    [
+        ("mooncake-transfer-engine-non-cuda", False),
+        ("mooncake-transfer-engine", True),
+        ("mooncake-transfer-engine-cuda13", True),
+    ],
+)
+def test_each_mooncake_wheel_is_classified_by_its_name(monkeypatch, dist, gpu):
+    def version(name: str) -> str:
+        if name != dist:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return "0.3.14"
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    ok, why = mooncake_gpu_memory_support()
+    assert ok is gpu and why.startswith(f"{dist} 0.3.14 is ")

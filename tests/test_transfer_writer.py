@@ -202,7 +202,10 @@ def test_frozen_target_times_out_on_our_deadline(tmp_path, transport, victims):
     with pytest.raises(TransferError) as err:
         writer.write([WriteEntry(x, "w.a", 0, src.data_ptr(), 4000) for x in (ok, frozen)])
     elapsed = time.monotonic() - start
-    assert TIMEOUT_S <= elapsed < TIMEOUT_S + 1.5, elapsed
+    # Our deadline failed it, not an early transport error (the lower bound) nor Mooncake's own timeout (that
+    # would not say "timed out after 3 s"); the peer is frozen until the fixture's end, so returning at all shows
+    # the writer did not wait for it. No upper bound: a loaded host only makes the call later.
+    assert elapsed >= TIMEOUT_S, elapsed
     msg = str(err.value)
     assert f"engine 1 rank 0 (session {infos[frozen].session_id})" in msg and "timed out after 3 s" in msg
     assert "engine 0 rank 0" not in msg

@@ -24,7 +24,7 @@ _CHOICES = {
 }
 OPTIONS = "checkpoint_engine.engine_kwargs.verl_p2p (engine_kwargs.p2p with backend=p2p)"
 # options holding a list of tensor names (or fnmatch patterns); a comma-separated string is accepted too
-_NAME_LISTS = ("check_weight_update_skip_list", "unused_hf_tensors_allowed")
+_NAME_LISTS = ("check_weight_update_skip_list", "unused_hf_tensors_allowed", "unwritten_params_allowed")
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,7 @@ class P2PConfig:
     staging: str = "auto"  # transfer slots in GPU memory (gpu), pinned host memory (pinned), or choose (auto)
     plan_cache_dir: str | None = None  # captured write plans on disk; None: ~/.cache/verl_p2p/plans, "": no cache
     unused_hf_tensors_allowed: tuple[str, ...] = ()  # fnmatch patterns of streamed HF names no rollout param takes
+    unwritten_params_allowed: tuple[str, ...] = ()  # fnmatch patterns of published rollout params no sync writes
     extra: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -107,6 +108,12 @@ class P2PConfig:
         ):
             if not isinstance(getattr(self, key), bool):
                 errors.append(f"{key}={getattr(self, key)!r} (true or false)")
+        if self.staging == "gpu" and self.protocol == "tcp":
+            errors.append(
+                "staging='gpu' with protocol='tcp' (Mooncake's tcp path stages GPU memory through the host: GPU -> "
+                "host-memory writes arrived corrupted on an H200; use staging=pinned or auto over tcp, or "
+                "protocol=rdma)"
+            )
         if self.plan_cache_dir is not None and not isinstance(self.plan_cache_dir, str):
             errors.append(f"plan_cache_dir={self.plan_cache_dir!r} (a directory path, or '' to disable the plan cache)")
         for key in _NAME_LISTS:

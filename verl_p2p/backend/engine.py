@@ -38,7 +38,7 @@ from typing import Any
 from verl.checkpoint_engine.base import CheckpointEngine
 
 from verl_p2p.backend import metrics as p2p_metrics
-from verl_p2p.backend.plugin import register_engine
+from verl_p2p.backend.identity import register_engine
 from verl_p2p.backend.roles import (
     Role,
     RolloutIdentity,
@@ -61,7 +61,13 @@ TRAINER, LEADER, FOLLOWER = "trainer", "rollout_leader", "rollout_follower"
 
 
 def run_sync(coro: Coroutine) -> Any:
-    """Run a coroutine to completion from sync code, also inside a running event loop (Ray async actors)."""
+    """Run a coroutine to completion from sync code, also inside a running event loop (Ray async actors).
+
+    verl's `prepare` and `finalize` hooks are sync, and verl's CheckpointEngineWorker is a Ray async actor (it
+    has `async def update_weights`), whose sync methods Ray runs on the actor's event loop thread
+    (`ray._private.async_compat.sync_to_async`). Refusing a running loop would refuse every rollout worker, and
+    the hook must return its answer, so the caller's thread waits: the coroutine runs on its own loop in a
+    worker thread, never on the caller's loop (which it cannot reach while that loop waits on it)."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
@@ -72,7 +78,7 @@ def run_sync(coro: Coroutine) -> Any:
 
 class P2PCheckpointEngine(CheckpointEngine):
     """Checkpoint engine `verl_p2p` (also `p2p`): trainer sources write straight into SGLang rollout ranks'
-    weight memory. Registered by `plugin.register_engine` below.
+    weight memory. Registered by `identity.register_engine` below.
 
     Args:
         bucket_size: verl's `update_weights_bucket_megabytes` in bytes; unused (p2p sizes its transfer slots

@@ -15,7 +15,7 @@ from typing import Any
 from verl_p2p.backend.identity import ALIAS, BACKEND, BACKEND_NAMES, backend_problem, our_config_signs, uses_verl_p2p
 from verl_p2p.config import P2PConfig, config_field, plain
 from verl_p2p.errors import P2PConfigError
-from verl_p2p.rollout.launch import rollout_dp_problem, server_arg_problems
+from verl_p2p.rollout.launch import mtp_problem, rollout_dp_problem, server_arg_problems
 
 logger = logging.getLogger(__name__)
 
@@ -100,9 +100,10 @@ def config_problems(config: Mapping[str, Any], entry: str | None = None, guard: 
     except P2PConfigError as exc:
         problems.append(str(exc))
     problems += server_arg_problems(dict(config_field(config_field(rollout, "engine_kwargs") or {}, "sglang") or {}))
-    dp = rollout_dp_problem(rollout)
-    if dp is not None:
-        problems.append(dp)
+    model = config_field(config_field(config, "actor_rollout_ref"), "model") or {}
+    for problem in (rollout_dp_problem(rollout), mtp_problem(rollout) or mtp_problem(model)):
+        if problem is not None:
+            problems.append(problem)
     return problems
 
 

@@ -1,6 +1,7 @@
 """Which checkpoint-engine class is verl_p2p's, and whether a config means it (no heavy imports).
 
-The engine is registered as `verl_p2p` and, unless another class already holds it, as `p2p` (`plugin.py`). These
+The engine is registered as `verl_p2p` and, unless another class already holds it, as `p2p` (`register_engine`,
+called by `engine.py` and by `plugin.py`'s stand-in). These
 checks tell, wherever a config is read (the Hydra guard, the manager, replica launch), whether `backend` runs this
 package's engine, and refuse a config set up for verl_p2p while `backend=p2p` resolves to another package's class.
 """
@@ -98,3 +99,23 @@ def uses_verl_p2p(backend: Any) -> bool:
         return False
     held = resolved_class(BACKEND)
     return held is None or is_ours(held)
+
+
+def register_engine(cls: type) -> None:
+    """Register `cls` as `verl_p2p`, and as `p2p` unless a class of another package holds that name already."""
+    from verl.checkpoint_engine.base import CheckpointEngineRegistry
+
+    CheckpointEngineRegistry.register(ALIAS)(cls)
+    held = CheckpointEngineRegistry._registry.get(BACKEND)
+    if held is None or is_ours(held):
+        CheckpointEngineRegistry.register(BACKEND)(cls)
+        logger.info("verl_p2p: checkpoint_engine backends %r and %r resolve to %s", ALIAS, BACKEND, class_name(cls))
+    else:
+        logger.warning(
+            "verl_p2p: checkpoint_engine backend %r is already %s (not overwritten): it is NOT verl_p2p; "
+            "use checkpoint_engine.backend=%s for verl_p2p (registered as %s)",
+            BACKEND,
+            class_name(held),
+            ALIAS,
+            class_name(cls),
+        )

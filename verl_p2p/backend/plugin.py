@@ -39,6 +39,7 @@ from verl_p2p.backend.identity import (  # noqa: F401 - re-exported: callers kno
     class_name,
     is_ours,
     our_config_signs,
+    register_engine,
     resolved_class,
     uses_verl_p2p,
 )
@@ -142,26 +143,6 @@ def register_backend() -> None:
         LOAD_ERRORS["backend"] = exc
         logger.warning("verl_p2p: backend %r is unavailable: %s: %s", ALIAS, type(exc).__name__, exc)
         register_engine(unavailable_engine_class(exc))
-
-
-def register_engine(cls: type) -> None:
-    """Register `cls` as `verl_p2p`, and as `p2p` unless a class of another package holds that name already."""
-    from verl.checkpoint_engine.base import CheckpointEngineRegistry
-
-    CheckpointEngineRegistry.register(ALIAS)(cls)
-    held = CheckpointEngineRegistry._registry.get(BACKEND)
-    if held is None or is_ours(held):
-        CheckpointEngineRegistry.register(BACKEND)(cls)
-        logger.info("verl_p2p: checkpoint_engine backends %r and %r resolve to %s", ALIAS, BACKEND, class_name(cls))
-    else:
-        logger.warning(
-            "verl_p2p: checkpoint_engine backend %r is already %s (not overwritten): it is NOT verl_p2p; "
-            "use checkpoint_engine.backend=%s for verl_p2p (registered as %s)",
-            BACKEND,
-            class_name(held),
-            ALIAS,
-            class_name(cls),
-        )
 
 
 def register_replica() -> None:

@@ -141,6 +141,31 @@ def dp_problem(dp_size: int, enable_dp_attention: bool, attn_dp_size: int | None
     )
 
 
+SPECULATIVE = "speculative_algorithm"
+# Speculative algorithms that draft without a model of their own: no second model runner publishes a table.
+DRAFTLESS_SPECULATION = ("NGRAM",)
+SGLANG_SPECULATIVE_FIX = "https://github.com/sgl-project/sglang/pull/35312"
+
+
+def speculative_problem(server_args: Mapping[str, Any]) -> str | None:
+    """Why a rollout running speculative decoding with a draft model (EAGLE, EAGLE3, NEXTN/MTP, STANDALONE)
+    cannot be synced, or None. Every model runner, the draft's too, publishes its transfer-engine table to the
+    bootstrap server under the bare tp_rank, last writer wins; the draft is built after the target, so the rank
+    info describes the DRAFT (and, for MTP, embed/head memory the draft frees after load): p2p would write the
+    target's weights into the draft or into freed memory and report success."""
+    algorithm = server_args.get(SPECULATIVE)
+    if algorithm in (None, "", "NONE") or str(algorithm).upper() in DRAFTLESS_SPECULATION:
+        return None
+    return (
+        f"{SPECULATIVE}={algorithm!r}: with speculative decoding every model runner, the draft's too, publishes "
+        "its weight memory to the engine's bootstrap server under the bare tp_rank and the draft (built last) "
+        "overwrites the target's entry, so p2p would write the target's weights into the draft model (or into "
+        "memory the draft freed) and report success. The refusal lifts once the rollout's SGLang keys that table "
+        f"by (worker, tp_rank) (SGLang PR #35312, {SGLANG_SPECULATIVE_FIX}, open and not in 0.5.23). Fix: launch "
+        f"the rollout without {SPECULATIVE} (NGRAM, which has no draft model, is accepted)"
+    )
+
+
 def check_reproducible(server_args: Mapping[str, Any]) -> None:
     """Reject rollout settings whose bytes the replica cannot reproduce, naming the setting and the fix."""
     check_server_info(server_args)
@@ -150,6 +175,9 @@ def check_reproducible(server_args: Mapping[str, Any]) -> None:
     )
     if dp is not None:
         problems.append(dp)
+    speculative = speculative_problem(server_args)
+    if speculative is not None:
+        problems.append(speculative)
     if _int(server_args, "pp_size", 1) != 1:
         problems.append("pp_size > 1 (rollout pipeline parallelism): use tp/ep instead")
     if _int(server_args, "ep_num_redundant_experts", 0) != 0:

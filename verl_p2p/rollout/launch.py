@@ -23,7 +23,7 @@ from typing import Any
 
 from verl_p2p.config import config_field
 from verl_p2p.errors import P2PConfigError, UnsupportedLayoutError
-from verl_p2p.planning.layout import check_reproducible, check_server_info, dp_problem
+from verl_p2p.planning.layout import SPECULATIVE, check_reproducible, check_server_info, dp_problem, speculative_problem
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +78,9 @@ def server_arg_problems(sglang: Mapping[str, Any]) -> list[str]:
             f"{MEMORY_SAVER}={sglang[MEMORY_SAVER]!r} cannot work with p2p ({_MEMORY_SAVER_REASON}): "
             f"set {OVERRIDE}{MEMORY_SAVER}=false"
         )
+    speculative = speculative_problem(sglang)
+    if speculative is not None:
+        problems.append(f"{speculative}: drop {OVERRIDE}{SPECULATIVE}")
     port = sglang.get(BOOTSTRAP_PORT)
     if port is None:
         problems.append(
@@ -101,6 +104,19 @@ def rollout_dp_problem(rollout_config: Any) -> str | None:
     except (TypeError, ValueError):
         return f"dp_size={dp!r} / attn_dp_size={sglang.get('attn_dp_size')!r} are not integers"
     return dp_problem(dp_size, bool(sglang.get("enable_dp_attention")), attn_dp)
+
+
+def mtp_problem(rollout_config: Any) -> str | None:
+    """verl's own way to turn speculative decoding on (`actor_rollout_ref.model.mtp.enable` and `enable_rollout`,
+    which verl's SGLang server turns into `speculative_algorithm`): refused like the server arg itself."""
+    mtp = config_field(rollout_config, "mtp")
+    if not (mtp and config_field(mtp, "enable") and config_field(mtp, "enable_rollout")):
+        return None
+    algorithm = config_field(mtp, "speculative_algorithm") or "EAGLE"
+    problem = speculative_problem({SPECULATIVE: algorithm})
+    if problem is None:
+        return None
+    return f"{problem}: verl sets it from the MTP config, so set actor_rollout_ref.model.mtp.enable_rollout=false"
 
 
 def check_server_args(sglang: Mapping[str, Any]) -> None:
@@ -170,9 +186,9 @@ def apply_to_replica(replica: Any) -> None:
     if mode == "hybrid":
         new = hybrid_server_args(sglang)
     else:
-        dp = rollout_dp_problem(config)
-        if dp is not None:
-            raise P2PConfigError(f"rollout replica {replica.replica_rank}: {dp}")
+        for problem in (rollout_dp_problem(config), mtp_problem(config)):
+            if problem is not None:
+                raise P2PConfigError(f"rollout replica {replica.replica_rank}: {problem}")
         new = replica_server_args(sglang, replica.replica_rank)
         logger.info("p2p: rollout replica %d bootstrap port %d", replica.replica_rank, new[BOOTSTRAP_PORT])
     config = copy.copy(config)  # never change a config another replica may share

@@ -25,6 +25,7 @@ import torch
 
 from verl_p2p.errors import TransferError, UnsupportedLayoutError
 from verl_p2p.planning.targets import RemoteRankInfo, TargetRank
+from verl_p2p.trainer.coverage import check_coverage
 from verl_p2p.trainer.stream_checks import StreamRefusedError, check_fp8_export, refusal
 from verl_p2p.transfer.buffers import ALIGN, Slot, TransferBuffers
 from verl_p2p.transfer.writer import TargetFailure, WriteEntry, Writer, push_error
@@ -314,11 +315,13 @@ def check_push(
     share: StageShare | None = None,
     *,
     streams_fp8: bool = False,
+    unwritten_allowed: Sequence[str] = (),
 ) -> list[_Group]:
     """Everything checkable before the first write; raises (nothing written) or returns the push's groups.
 
     RemoteMismatchError when a target's published weights differ from what would be written (names, sizes,
-    overlapping ranges: `Writer.validate`); StreamRefusedError when the export streams FP8 weights
+    overlapping ranges: `Writer.validate`; published parameters the plan never writes, unless listed in
+    `unwritten_allowed`: `coverage.check_coverage`); StreamRefusedError when the export streams FP8 weights
     (`streams_fp8`) while no target's plan takes an FP8 input (they would be written without their scales)."""
     for t in targets:
         known = writer.targets.get(t.target)
@@ -328,6 +331,9 @@ def check_push(
             )
     groups = group_targets(targets, share)
     writer.validate(expected_params(groups))
+    check_coverage(  # against the whole rank's plan: with PP > 1 the stages' shares together write it
+        {g.describe(): (g.targets[0].remote.params, g.replica.plan.params) for g in groups}, unwritten_allowed
+    )
     if streams_fp8:
         for g in groups:
             check_fp8_export(_planned_specs([g]), [n for p in g.params.values() for n in p.feeds], g.describe())
@@ -352,6 +358,7 @@ def push(
     share: StageShare | None = None,
     checked: Sequence[_Group] | None = None,
     allowed_unused: Sequence[str] = (),
+    unwritten_allowed: Sequence[str] = (),
 ) -> PushMetrics:
     """Write this source's bytes to every target; raises RemoteMismatchError before any write when a target's
     published weights differ, StreamRefusedError before loading a streamed tensor the rollout cannot take,
@@ -363,9 +370,14 @@ def push(
     None leaves torch's setting alone. GPU copies are unaffected. `share` restricts the push to this PP stage's
     part of every target (None: the source holds the whole model). `checked`: the groups `check_push` returned
     (it runs here when None). `allowed_unused`: fnmatch patterns of HF names no rollout parameter takes that
-    may be streamed (dropped)."""
+    may be streamed (dropped). `unwritten_allowed`: fnmatch patterns of published rollout params no sync writes
+    that may stay as loaded (used when `checked` is None)."""
     t_start = time.perf_counter()
-    groups = list(checked) if checked is not None else check_push(targets, writer, share)
+    groups = (
+        list(checked)
+        if checked is not None
+        else check_push(targets, writer, share, unwritten_allowed=unwritten_allowed)
+    )
     planned = _planned_specs(groups)
     metrics = PushMetrics(bytes_per_target={t.target: 0 for t in targets})
     writer.reset_failures()

@@ -265,7 +265,13 @@ class SourceSession:
         from verl_p2p.trainer.push import check_push
 
         fp8 = getattr(getattr(self.exporter, "bridge", None), "export_weight_dtype", None) == "fp8"
-        return check_push(self.targets, self.writer, self.share, streams_fp8=fp8)
+        return check_push(
+            self.targets,
+            self.writer,
+            self.share,
+            streams_fp8=fp8,
+            unwritten_allowed=self.config.unwritten_params_allowed,
+        )
 
     def close(self) -> None:
         if self.writer is not None:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import math
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 from verl_p2p.errors import TransferError
 from verl_p2p.transfer.base import check_rc
@@ -20,8 +21,8 @@ _INSTALL_HINT = (
     "(needs the libibverbs1 system package)"
 )
 
-# Mooncake reads MC_TRANSFER_TIMEOUT when an engine initializes (measured: per engine, not per process);
-# the lock keeps one engine's env from leaking into another's start.
+# Mooncake reads MC_TRANSFER_TIMEOUT when an engine is built (measured: per engine, not per process);
+# the lock keeps one engine's value from leaking into another's start.
 _ENGINE_START_LOCK = threading.Lock()
 
 
@@ -69,11 +70,26 @@ def mooncake_gpu_memory_support() -> tuple[bool, str]:
     return False, f"{engine} does not link the CUDA runtime (a build without CUDA)"
 
 
-def set_transfer_timeout_env(timeout_s: float) -> None:
-    """Make Mooncake give up on a stuck write about when our own deadline fires (it waits 30 s by default),
-    so a thread blocked on a frozen peer does not linger much past the push's failure. Measured on tcp:
-    a frozen peer fails after max(MC_TRANSFER_TIMEOUT, ~5) s; the writer's own deadline is exact."""
-    os.environ["MC_TRANSFER_TIMEOUT"] = str(max(1, math.ceil(timeout_s)))
+TIMEOUT_ENV = "MC_TRANSFER_TIMEOUT"
+
+
+@contextmanager
+def transfer_timeout_env(timeout_s: float | None) -> Iterator[str | None]:
+    """While one engine starts, make Mooncake give up on a stuck write about when our own deadline fires (it
+    waits 30 s by default), so a thread blocked on a frozen peer does not linger much past the push's failure.
+    Measured on tcp: a frozen peer fails after max(MC_TRANSFER_TIMEOUT, ~5) s; the writer's own deadline is
+    exact. Mooncake's Python API takes no timeout, but its engine reads the variable when it is built, so it is
+    set only around that and restored after (the process environment is left as found); a value the user
+    exported wins. Yields the value the engine sees (None: Mooncake's default). Hold _ENGINE_START_LOCK."""
+    user = os.environ.get(TIMEOUT_ENV)
+    if user is not None or timeout_s is None:
+        yield user
+        return
+    os.environ[TIMEOUT_ENV] = str(max(1, math.ceil(timeout_s)))
+    try:
+        yield os.environ[TIMEOUT_ENV]
+    finally:
+        os.environ.pop(TIMEOUT_ENV, None)
 
 
 class MooncakeTransport:
@@ -87,11 +103,10 @@ class MooncakeTransport:
         timeout_s: float | None = None,
     ) -> None:
         TransferEngine = import_transfer_engine()
-        with _ENGINE_START_LOCK:
-            if timeout_s is not None:
-                set_transfer_timeout_env(timeout_s)
+        with _ENGINE_START_LOCK, transfer_timeout_env(timeout_s) as engine_timeout:
             self._engine = TransferEngine()
             rc = self._engine.initialize(hostname, "P2PHANDSHAKE", protocol, device_name)
+        self.transfer_timeout = engine_timeout  # MC_TRANSFER_TIMEOUT this engine was built with (None: Mooncake's)
         check_rc(
             rc,
             f"Mooncake TransferEngine.initialize(hostname={hostname!r}, protocol={protocol!r}, "

@@ -23,6 +23,15 @@ _CUDA_MOONCAKE = (
 )
 
 
+# Measured on an H200 (Mooncake CUDA 13 build 0.3.14, docs/measurements/mooncake_tcp_h200.json): tcp writes from
+# GPU memory into host memory arrived corrupted, and into GPU memory ran at 1.8 GB/s vs 3.2 GB/s from pinned slots.
+GPU_OVER_TCP = (
+    "Mooncake's tcp transport stages GPU memory through the host itself; GPU -> host-memory writes arrived "
+    "corrupted on an H200 and GPU -> GPU ones were slower than from pinned slots. Fix: staging=pinned (or auto) "
+    "over tcp, or protocol=rdma for GPU slots"
+)
+
+
 @dataclass(frozen=True)
 class StagingChoice:
     """The slots' device and pinning, and why (logged once when the buffers are made)."""
@@ -47,8 +56,9 @@ def choose_staging(
 ) -> StagingChoice:
     """Resolve `staging` (auto | gpu | pinned) for HF tensors on `hf_device`.
 
-    `gpu_memory_support()` answers whether the transport can register GPU memory (default: the installed
-    Mooncake, `mooncake_gpu_memory_support`); it is asked only when a GPU slot is possible. `auto` takes GPU
+    `gpu` over `tcp` is refused (GPU_OVER_TCP). `gpu_memory_support()` answers whether the transport can
+    register GPU memory (default: the installed Mooncake, `mooncake_gpu_memory_support`); it is asked only when
+    a GPU slot is possible. `auto` takes GPU
     slots only over RDMA: Mooncake's tcp transport stages GPU memory through the host itself, so a GPU slot is
     slower there (measured on an H200, 1 GiB into GPU memory: 1.8 GB/s from GPU vs 3.2 GB/s from pinned memory).
     """
@@ -65,6 +75,8 @@ def choose_staging(
         if cuda:
             return StagingChoice(torch.device("cpu"), True, f"HF tensors on {hf_device}: pinned host slots")
         return StagingChoice(torch.device("cpu"), False, "no CUDA on this host: plain host slots")
+    if mode == "gpu" and protocol == "tcp":
+        raise P2PConfigError(f"engine_kwargs.p2p.staging=gpu with protocol=tcp: {GPU_OVER_TCP}")
     if mode == "pinned":
         return StagingChoice(torch.device("cpu"), True, "staging=pinned: pinned host slots")
     if mode == "auto" and protocol == "tcp":

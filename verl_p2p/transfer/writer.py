@@ -189,11 +189,8 @@ class Writer:
                         f"{where}: param {name!r}: trainer writes numel {numel} x {element_size} B, "
                         f"rollout publishes numel {remote.numel} x {remote.element_size} B"
                     )
-            extra = sorted(set(info.params) - set(expected[target]))
-            if extra:
-                logger.warning(
-                    "%s publishes %d params p2p does not write (left as they are): %s", where, len(extra), extra[:8]
-                )
+            # published params this source does not write: with PP > 1 another stage writes them; those no sync
+            # writes at all are refused against the whole plan (trainer.coverage, from check_push)
         if problems:
             shown = "\n  ".join(problems[:20]) + (
                 f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""

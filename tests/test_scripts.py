@@ -30,6 +30,8 @@ CHECKS = {
     "gpu_staging_bandwidth.py": HELP,  # CUDA copies only
     "gpu_verl_replica.py": (COVERED, "test_gpu_verl_replica.py"),  # --rollout loopback, the whole flow
     "grpo_check.py": (COVERED, "test_grpo_check.py"),  # probe, fresh and summary on recorded logs
+    "grpo_report.py": (COVERED, "test_grpo_report.py"),  # JSON, table and PNG from recorded runs
+    "measure_verify_first_push.py": SMOKE,  # --smoke: tiny model, one repeat
     "gpu_e2e.sh": SHELL,
     "gpu_grpo_run.sh": SHELL,
     "gpu_wheels.sh": SHELL,
@@ -154,3 +156,11 @@ def test_gpu_mooncake_check_smoke_between_host_buffers(tmp_path):
     (case,) = json.loads(out.read_text())["cases"]
     assert (case["src"], case["dst"], case["bytes"], case["bytes_equal"]) == ("host", "host", 8 << 20, True)
     assert len(case["seconds"]) == 3
+
+
+@pytest.mark.slow  # imports SGLang, builds a tiny replica
+def test_measure_verify_first_push_smoke(tmp_path):
+    out = tmp_path / "verify.json"
+    run("scripts/measure_verify_first_push.py", "--smoke", "--out", str(out), timeout=400)
+    result = json.loads(out.read_text())
+    assert result, "the script wrote an empty report"

@@ -90,6 +90,11 @@ class SyncRecord:
     notes: dict[str, Any] = field(default_factory=dict)
 
 
+def paused_seconds(phases: dict[str, float]) -> float:
+    """How long the sync held the rollout paused, less the check_weight_update_equal steps it was asked for."""
+    return phases.get("paused", 0.0) - phases.get("check_arm", 0.0) - phases.get("check_compare", 0.0)
+
+
 class Harness:
     """One model: its rollout under test, the trainer process, the expectations, the lifecycle."""
 
@@ -220,8 +225,11 @@ class Harness:
         side_tasks: dict[str, asyncio.Task] = {}
         marker = self.workdir / f"stalled-{index}"
 
+        async def prepare(connection: Any) -> None:  # before the pause: plan, replicas, programs, first check
+            await asyncio.to_thread(self._ensure_applied, connection, drill == "wrong_session")
+
         async def push(connection: Any) -> dict:
-            self._ensure_applied(connection, corrupt_session=drill == "wrong_session")
+            await prepare(connection)  # a no-op but for a re-push's partial plan (or one re-planned in the pause)
             if drill == "paused_call":
                 side_tasks.update(await self._paused_calls(record))
             if drill == "kill":
@@ -231,10 +239,13 @@ class Harness:
         events_before = self.rollout.event_count() if not self.rollout.generates else 0
         t0 = time.perf_counter()
         try:
-            report = await self.lifecycle.sync(record.version, push)
+            report = await self.lifecycle.sync(record.version, push, prepare=prepare)
             record.phases = {k: round(v, 4) for k, v in report.phases.items()}
             record.push = report.metrics
-            record.paused_s = round(record.phases.get("total", 0.0), 4)
+            record.paused_s = round(paused_seconds(report.phases), 4)
+            record.notes["steps_in_pause"] = report.steps_in_pause
+            if report.replanned_in_pause:
+                record.notes["replanned_in_pause"] = report.replanned_in_pause
         except SyncError as exc:
             record.outcome, record.error = "failed", str(exc)
             record.notes["stale_engines"] = sorted(exc.stale_engines)

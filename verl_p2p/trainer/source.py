@@ -3,7 +3,8 @@
 Once per process: the Megatron engine (from the owning verl worker) and the stage exporter; on the first
 assignment with targets, the Mooncake transport and the two registered transfer buffers (idle ranks only run
 the export's collectives and never allocate them). Per plan generation: one RankReplica per distinct target
-layout (cached by key, so an unchanged layout is never rebuilt) and a Writer for this rank's targets.
+layout (cached by key, so an unchanged layout is never rebuilt), its compiled programs (compiled and checked
+against SGLang's loader at apply, not during the push) and a Writer for this rank's targets.
 Every import of the heavy parts (Megatron-Bridge, SGLang model classes, Mooncake) happens here, lazily.
 """
 
@@ -99,6 +100,7 @@ class SourceSession:
             for target in assignment.targets:
                 replica = self._replica(assignment.server_infos[target.engine], assignment.layouts[target])
                 targets.append(PushTarget(target, self._executor(replica), assignment.rank_infos[target]))
+            self._prepare_executors(targets)
         except Exception as exc:  # reported at push, by the go/no-go (see the docstring)
             self.apply_error, targets = exc, []
             logger.error(
@@ -108,10 +110,6 @@ class SourceSession:
                 type(exc).__name__,
                 exc,
             )
-        if self.config.verify_first_push:
-            for executor in {id(t.replica): t.replica for t in targets}.values():
-                if hasattr(executor, "verify_next_push"):
-                    executor.verify_next_push()  # the first push of this plan generation
         if self.writer is not None:
             self.writer.close()
         self.writer = (
@@ -130,6 +128,16 @@ class SourceSession:
         except Exception as exc:
             self.share = None
             self.apply_error = self.apply_error or exc
+
+    def _prepare_executors(self, targets: list[Any]) -> None:
+        """Compile every program this generation's push runs and (`verify_first_push`) check each against SGLang's
+        loader on synthetic tensors into scratch memory, now: `apply` runs before the rollout is paused (the
+        manager path), so the push holds the rollout only for its writes."""
+        for executor in {id(t.replica): t.replica for t in targets}.values():
+            if hasattr(executor, "prepare_push"):
+                executor.prepare_push(
+                    self.buffers.slot_bytes, verify=self.config.verify_first_push, device=_hf_device()
+                )
 
     def _refuse_without_sessions(self, target: Any, server_info: Any, layout: Any) -> None:
         """A rollout without weight-update sessions never runs SGLang's post-load processing after our writes:

@@ -99,7 +99,8 @@ class SourceSession:
                 self._open_transport()
             for target in assignment.targets:
                 replica = self._replica(assignment.server_infos[target.engine], assignment.layouts[target])
-                targets.append(PushTarget(target, self._executor(replica), assignment.rank_infos[target]))
+                part = assignment.parts.get(target, (0, 1))
+                targets.append(PushTarget(target, self._executor(replica), assignment.rank_infos[target], part))
             self._prepare_executors(targets)
         except Exception as exc:  # reported at push, by the go/no-go (see the docstring)
             self.apply_error, targets = exc, []

@@ -95,6 +95,50 @@ def paused_seconds(phases: dict[str, float]) -> float:
     return phases.get("paused", 0.0) - phases.get("check_arm", 0.0) - phases.get("check_compare", 0.0)
 
 
+def _median(values: list[float]) -> float | None:
+    values = sorted(values)
+    return values[len(values) // 2] if values else None
+
+
+def pause_and_raw_figures(records: list[SyncRecord]) -> dict[str, Any]:
+    """Issue 18's figures: paused seconds of the first sync (less the weights checker's steps), of the first sync
+    after a trainer restart and of the steady-state syncs, their ratios (goal <= 1.5), and each raw-replay sync's
+    push beside raw Mooncake writes of the same write lists (goal <= 1.25)."""
+    ok = [r for r in records if r.outcome == "ok"]
+    first = ok[0] if ok and ok[0].index == 0 else None
+    restarted = [r for r in ok if r.notes.get("first_after_trainer_restart")]
+    steady = [
+        r.paused_s
+        for r in ok
+        if r is not first
+        and not r.drill
+        and not r.notes.get("raw_replay")
+        and r not in restarted
+        and not r.notes.get("replanned_in_pause")
+    ]
+    steady_s = _median(steady)
+    raw = [r.push for r in ok if r.notes.get("raw_replay") and "raw_seconds" in r.push]
+    out: dict[str, Any] = {
+        "first_sync_paused_s": first.paused_s if first else None,
+        "first_after_trainer_restart_paused_s": restarted[0].paused_s if restarted else None,
+        "steady_state_paused_s": steady,
+        "steady_state_paused_median_s": steady_s,
+        "push_vs_raw": [
+            {k: p[k] for k in ("seconds", "raw_seconds", "push_over_raw", "push_over_raw_less_export", "bytes")}
+            for p in raw
+        ],
+        "push_over_raw_median": _median([p["push_over_raw"] for p in raw]),
+        "push_over_raw_less_export_median": _median([p["push_over_raw_less_export"] for p in raw]),
+        "goals": {"paused_over_steady": 1.5, "push_over_raw": 1.25},
+    }
+    if steady_s:
+        if first is not None:
+            out["first_over_steady"] = first.paused_s / steady_s
+        if restarted:
+            out["restart_over_steady"] = restarted[0].paused_s / steady_s
+    return out
+
+
 class Harness:
     """One model: its rollout under test, the trainer process, the expectations, the lifecycle."""
 
@@ -213,11 +257,13 @@ class Harness:
         self.trainer.call("apply", assignment)
         self.applied = key
 
-    async def sync(self, weights: int, drill: str | None = None) -> SyncRecord:
+    async def sync(self, weights: int, drill: str | None = None, raw: bool = False) -> SyncRecord:
         from verl_p2p.rollout.lifecycle import SyncError
 
         index = len(self.records)
         record = SyncRecord(index=index, version=str(index + 1), weights=weights, drill=drill, outcome="ok")
+        record.notes["raw_replay"] = raw  # this sync's pause also holds a raw replay: not a steady-state figure
+        record.notes["first_after_trainer_restart"] = bool(self.records and self.records[-1].drill == "kill")
         self.records.append(record)
         if not self.stale:  # cached prefix with the weights held now (a stale rollout is paused: it would wait)
             record.notes["generation_before"] = await self._generate(self.rollout, self.client)
@@ -234,7 +280,7 @@ class Harness:
                 side_tasks.update(await self._paused_calls(record))
             if drill == "kill":
                 return await self._killed_push(marker, record)
-            return await asyncio.to_thread(self.trainer.call, "push", {})
+            return await asyncio.to_thread(self.trainer.call, "push", {"raw": raw and not connection.partial})
 
         events_before = self.rollout.event_count() if not self.rollout.generates else 0
         t0 = time.perf_counter()
@@ -370,6 +416,8 @@ class Harness:
         first.checks.insert(0, Check("weights_checker_compare", first.outcome == "ok", first.error[:300]))
         for i in range(1, self.args.syncs):
             await self.sync(i % 2)
+        for _ in range(self.args.raw_syncs):  # each push beside raw Mooncake writes of its own write lists
+            await self.sync(1 - self.held, raw=True)
         for drill in self.args.drills:
             target = 1 - self.held
             await self.sync(target, drill)
@@ -410,6 +458,7 @@ class Harness:
             "drills": drills,
             "push_gbps_median": sorted(gbps)[len(gbps) // 2] if gbps else None,
             "push_bytes": ok_syncs[0].push.get("bytes") if ok_syncs else None,
+            "figures": pause_and_raw_figures(self.records),
         }
 
 
@@ -453,6 +502,15 @@ def _summary(results: dict[str, Any]) -> str:
                 f"paused {s['paused_s']:.3f}s  {'checks ok' if not bad else 'FAILED ' + ','.join(bad)}"
                 + (f"  error: {s['error'][:160]}" if s["error"] else "")
             )
+        f = r.get("figures") or {}
+        if f:
+            lines.append(
+                f"  paused: first {f.get('first_sync_paused_s')} s, after trainer restart "
+                f"{f.get('first_after_trainer_restart_paused_s')} s, steady median "
+                f"{f.get('steady_state_paused_median_s')} s (first/steady {f.get('first_over_steady')}, "
+                f"restart/steady {f.get('restart_over_steady')}; goal 1.5); push/raw "
+                f"{f.get('push_over_raw_median')} (less export {f.get('push_over_raw_less_export_median')}; goal 1.25)"
+            )
         if r.get("error"):
             lines.append("  ERROR: " + r["error"].strip().splitlines()[-1])
     return "\n".join(lines)
@@ -465,6 +523,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", choices=tuple(SIZES), default=None, help="default: gpu for sglang, tiny for loopback")
     parser.add_argument("--device", choices=("cuda", "cpu"), default=None, help="trainer device (default by rollout)")
     parser.add_argument("--syncs", type=int, default=3, help="plain syncs before the drills (the first is checked)")
+    parser.add_argument(
+        "--raw-syncs", type=int, default=1, help="syncs whose push is put beside a raw replay of its write lists"
+    )
     parser.add_argument("--drills", default=",".join(DRILLS), help=f"comma list of {DRILLS}, or none")
     parser.add_argument("--bucket-mb", type=int, default=16)
     parser.add_argument("--staging", choices=("auto", "gpu", "pinned"), default="auto")

@@ -12,6 +12,7 @@ import logging
 import threading
 
 import pytest
+from support.fake_sglang import FakeSGLang
 
 from verl_p2p.config import P2PConfig
 from verl_p2p.rollout.adapter import P2PReplicaAdapter
@@ -134,3 +135,19 @@ def test_a_failed_prepare_fails_the_sync_before_anything_is_paused(fakes):
         asyncio.run(lifecycle.sync(1, push, prepare=prepare))
     assert all(s.lifecycle_calls() == [] for s in servers)  # never paused
     assert set(journal) <= READS
+
+
+def test_a_plan_made_before_the_first_begin_expects_what_the_release_says_about_sessions(fakes):
+    """Before any begin the plan takes an engine's weight-update sessions from its release (0.5.21 added them), so
+    an old server's 404 to begin does not change the plan inside the pause; the answer overrides the guess."""
+    old = FakeSGLang(version="0.5.12", sessions=False)
+    new = fakes(1)[0]
+    try:
+        adapters = [P2PReplicaAdapter(i, s.url, bootstrap_url=s.bootstrap_url) for i, s in enumerate([old, new])]
+        assert [a.sessions_expected for a in adapters] == [None, None]  # nothing known before server info
+        asyncio.run(SyncLifecycle(adapters).connect())
+        assert [a.sessions_expected for a in adapters] == [False, True]
+        assert asyncio.run(adapters[0].begin_session()) is False  # the 404
+        assert adapters[0].sessions_expected is False and adapters[0].sessions_supported is False
+    finally:
+        old.stop()

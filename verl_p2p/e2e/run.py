@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 # Model shapes. "tiny": the CPU sandbox's (CI, loopback). "gpu": big enough that a push measures bandwidth.
+# "4b": Qwen3-4B's shape (tied embeddings, about 8 GB in bf16): a sync of a few GB, where the pause figures show.
 SIZES: dict[str, dict[str, dict[str, Any]]] = {
     "tiny": {"qwen3": {}, "qwen3_moe": {}},
     "gpu": {
@@ -56,6 +57,18 @@ SIZES: dict[str, dict[str, dict[str, Any]]] = {
             moe_intermediate_size=512,
         ),
     },
+}
+SIZES["4b"] = {
+    "qwen3": dict(
+        vocab_size=151936,
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+    )
 }
 PROMPT = [3, 17, 42, 99, 7, 150, 23, 88, 5, 61, 200, 14, 9, 77, 31, 128]
 NEW_TOKENS = 16
@@ -544,6 +557,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown drill/model {unknown}")
     args.size = args.size or ("gpu" if args.rollout == "sglang" else "tiny")
+    unsized = [m for m in args.models if m not in SIZES[args.size]]
+    if unsized:
+        parser.error(f"--size {args.size} has no shape for {unsized}: use --models {','.join(SIZES[args.size])}")
     args.device = args.device or ("cuda" if args.rollout == "sglang" else "cpu")
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     if args.device == "cpu":

@@ -104,13 +104,20 @@ def assignment(generation: int, receiver=None, path=None) -> Assignment:
     )
 
 
-def test_source_session_writes_every_parameter_of_its_target(session, receiver, model, tmp_path):
+def test_source_session_writes_every_parameter_of_its_target(session, receiver, model, tmp_path, monkeypatch):
     session, engine = session
     handle, nbytes = receiver
     _, path, hf = model
     assert session.transport is None  # nothing allocated before a plan with targets
 
+    from verl_p2p.transfer.mooncake import MooncakeTransport
+
+    reads, read = [], MooncakeTransport.read
+    monkeypatch.setattr(MooncakeTransport, "read", lambda self, sid, *a: (reads.append(sid), read(self, sid, *a))[1])
+    before = handle.digest()
     session.apply(assignment(1, handle, path))
+    assert reads == [handle.remote_info().session_id]  # the connection is opened at apply, before the pause
+    assert handle.digest() == before  # by a read: nothing written
     metrics = session.push()
     assert metrics.total_bytes == sum(nbytes.values())
     assert engine.exported == len(hf)

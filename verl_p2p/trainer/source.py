@@ -102,6 +102,7 @@ class SourceSession:
                 part = assignment.parts.get(target, (0, 1))
                 targets.append(PushTarget(target, self._executor(replica), assignment.rank_infos[target], part))
             self._prepare_executors(targets)
+            self._open_connections(targets)
         except Exception as exc:  # reported at push, by the go/no-go (see the docstring)
             self.apply_error, targets = exc, []
             logger.error(
@@ -139,6 +140,23 @@ class SourceSession:
                 executor.prepare_push(
                     self.buffers.slot_bytes, verify=self.config.verify_first_push, device=_hf_device()
                 )
+
+    def _open_connections(self, targets: list[Any]) -> None:
+        """Open the Mooncake segment and connection of every target now, with a read of a few bytes of one of its
+        parameters into a slot (a read changes nothing on the rollout, so it may run while it generates): the
+        first push does not pay the handshakes inside the pause. A failure is only logged: the push reports it."""
+        read = getattr(self.transport, "read", None)
+        if read is None or self.buffers is None or not self.buffers.slots or not self.buffers.slots[0].settled:
+            return  # (a write of a failed push may still read that slot)
+        local = self.buffers.slots[0].addr
+        for t in targets:
+            param = next((p for p in t.remote.params.values() if p.nbytes > 0), None)
+            if param is None:
+                continue
+            try:
+                read(t.remote.session_id, [local], [param.address], [min(param.nbytes, 64)])
+            except Exception as exc:  # noqa: BLE001 - the push names a target it cannot reach
+                logger.warning("p2p: could not open the connection to %s before the push: %s", t.target, exc)
 
     def _refuse_without_sessions(self, target: Any, server_info: Any, layout: Any) -> None:
         """A rollout without weight-update sessions never runs SGLang's post-load processing after our writes:

@@ -36,7 +36,16 @@ def test_e2e_harness_against_loopback(tmp_path):
     assert syncs[0]["checks"][0] == {"name": "weights_checker_compare", "ok": True, "detail": ""}
     assert model["tensors_differing_between_sets"] > 0  # the two weight sets differ, so equal checksums mean something
     plain = [s for s in syncs if s["drill"] is None]
-    assert len(plain) == 3 + 3 and all(s["outcome"] == "ok" for s in plain)
+    assert len(plain) == 3 + 1 + 3 and all(s["outcome"] == "ok" for s in plain)  # 1: the raw-replay sync
+    for s in plain:  # the pause holds no connect or prepare (plan, apply, first-push check), first sync included
+        assert s["notes"]["steps_in_pause"][0] == "abort" and "push" in s["notes"]["steps_in_pause"]
+        assert not {"connect", "prepare"} & set(s["notes"]["steps_in_pause"]), s["notes"]["steps_in_pause"]
+        assert {"connect", "prepare", "paused"} <= set(s["phases"])
+    figures = model["figures"]
+    assert figures["first_sync_paused_s"] > 0 and figures["first_after_trainer_restart_paused_s"] > 0
+    assert len(figures["steady_state_paused_s"]) >= 2 and figures["first_over_steady"] > 0
+    (pair,) = figures["push_vs_raw"]  # the push beside raw Mooncake writes of its own write lists
+    assert pair["raw_seconds"] > 0 and pair["push_over_raw"] == pytest.approx(pair["seconds"] / pair["raw_seconds"])
     for s in plain:
         assert {c["name"]: c["ok"] for c in s["checks"]} | {"weights_checker_compare": True} == {
             "weights_checker_compare": True,

@@ -21,11 +21,17 @@ def _stream(consumed: list[str], n: int = 3):
 
 
 def test_one_target_gives_one_sender_per_stage():
-    plan = build_transfer_plan(SOURCES, [TargetRank(0, 0)])
+    plan = build_transfer_plan(SOURCES, [TargetRank(0, 0)], split=False)
     stages = [stage_of(r, SOURCES, plan) for r in range(4)]
     assert [s.is_sender for s in stages] == [True, False, True, False]
     assert [s.ranks for s in stages] == [(0, 1), (0, 1), (2, 3), (2, 3)]
     assert [s.pp_rank for s in stages] == [0, 0, 1, 1] and all(s.pp_size == 2 for s in stages)
+
+
+def test_the_split_makes_every_rank_of_a_stage_a_sender_of_one_target():
+    plan = build_transfer_plan(SOURCES, [TargetRank(0, 0)])  # two ranks per stage, one target: two parts
+    assert all(stage_of(r, SOURCES, plan).is_sender for r in range(4))
+    assert [plan.part_of(r, TargetRank(0, 0)) for r in range(4)] == [(0, 2), (1, 2), (0, 2), (1, 2)]
 
 
 def test_more_targets_than_a_stage_has_ranks_makes_every_rank_a_sender():

@@ -227,3 +227,31 @@ def test_manager_needs_the_p2p_backend(setup):
     _, actors, replicas = setup
     with pytest.raises(P2PConfigError, match="needs checkpoint_engine.backend=verl_p2p, got 'naive'"):
         P2PCheckpointEngineManager(config=CheckpointEngineConfig(backend="naive"), actor_wg=actors, replicas=replicas)
+
+
+def test_the_plan_round_runs_before_the_pause(setup, fakes):
+    """The first sync's prepare and init_process_group rounds (the trainer builds, compiles, registers and checks
+    then) come before the abort; a steady-state sync sends none; the pause holds no connect or plan call."""
+    manager, actors, _ = setup
+    journal: list[str] = []
+    for fake in fakes:
+        fake.journal = journal
+    calls = actors.calls
+
+    class Recorder(list):
+        def append(self, item):
+            journal.append(item)
+            super().append(item)
+
+    actors.calls = Recorder(calls)
+    for step in (1, 2):
+        journal.clear()
+        metrics = manager.update_weights(global_steps=step)
+        start = journal.index("pause_generation")
+        end = len(journal) - 1 - journal[::-1].index("continue_generation")
+        window = journal[start : end + 1]
+        assert not {"prepare", "init_process_group", "server_info", "get_server_info"} & set(window), window
+        assert "update_weights" in window
+        before = journal[:start]
+        assert ("init_process_group" in before) == (step == 1) and ("prepare" in before) == (step == 1)
+        assert metrics["checkpoint_engine/p2p/phase/paused_s"] < metrics["checkpoint_engine/p2p/phase/total_s"]

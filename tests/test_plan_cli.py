@@ -188,3 +188,28 @@ def _numel(shape) -> int:
     for s in shape:
         n *= s
     return n
+
+
+def test_plan_splits_each_target_over_the_idle_sources_and_shows_both(tiny_model, tmp_path, capsys):
+    """4 trainer ranks (dp 4) -> 2 rollout ranks: each rank's bytes split over 2 sources (every NIC sends), the
+    parts from the write plan's parameters, together exactly the rank; the prediction without the split beside."""
+    path, cfg = tiny_model
+    argv = ["plan", "--model", str(path), "--trainer", "tp=1,ep=1,dp=4", "--rollout", "tp=2,ep=2"]
+    argv += ["--plan-cache-dir", str(tmp_path / "plans"), "--nic-gbps", "0.8", "--convert-gbps", "1000", "--json"]
+    assert cli_main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["senders"] == 4 and out["senders_without_split"] == 2
+    per_target: dict[str, list[int]] = {}
+    for link in out["links"]:
+        per_target.setdefault(f"e{link['engine']}r{link['rank']}", []).append(link["bytes"])
+        assert link["part"][1] == 2
+    for target, parts in per_target.items():
+        assert len(parts) == 2 and sum(parts) == out["target_bytes"][target]  # every byte once
+    assert [s["wire_bytes"] for s in out["sources"]] == [per_target["e0r0"][0], per_target["e0r1"][0]] + [
+        per_target["e0r0"][1],
+        per_target["e0r1"][1],
+    ]
+    assert out["predicted_s"] < 0.6 * out["predicted_without_split_s"]
+    assert cli_main(argv[:-1]) == 0
+    text = capsys.readouterr().out
+    assert "e0r0[2/2]:" in text and "without the split" in text and "4 of 4 sources send" in text

@@ -159,3 +159,43 @@ def test_the_word_wise_compare_finds_every_differing_byte(offset, length):
         flipped[i] ^= 0x40
         assert not _bytes_equal(a, flipped), i
     assert not _bytes_equal(a, b[:-1]) if length > 1 else True
+
+
+def test_prepare_push_compiles_and_checks_every_program_before_any_push(moe_bf16):
+    """Before the pause: every program a push runs (whole, and the chunks of a parameter larger than a slot) is
+    compiled and checked against SGLang's loader on synthetic inputs; the push after it compiles and checks
+    nothing. A corrupted program (two experts trading places) is caught there, naming the parameter."""
+    sd, (ref,) = moe_bf16
+    name = "model.layers.0.mlp.experts.w2_weight"
+    p = ref.plan.params[name]
+    slot = p.nbytes // 2  # this parameter (and the larger ones) go by chunks, the others whole
+    ex = CompiledReplica(ref)
+    checked = ex.prepare_push(slot)
+    assert checked == len(ref.plan.params) and not ex.verifying
+    es = p.dtype.itemsize
+    assert {(name, o // es, (o + n) // es) for o, n in ref.chunks(name, slot)} <= set(ex.programs)
+    compiled = set(ex.programs)
+    calls = []
+    original = ref.load
+    ref.load = lambda *a: (calls.append(a[0]), original(*a))[1]
+    try:  # the push itself: no compile, no check against SGLang's loader
+        for param, q in ref.plan.params.items():
+            feeds = {f: sd[f] for f in q.feeds}
+            if q.nbytes > slot or not q.feeds:  # as push does
+                for offset, n in ref.chunks(param, slot):
+                    ex.load_chunk(param, feeds, offset, _nan_bytes(q)[offset : offset + n])
+            else:
+                ex.load(param, feeds, _nan_bytes(q))
+    finally:
+        del ref.load
+    assert calls == [] and set(ex.programs) == compiled
+
+    bad = CompiledReplica(ref)
+    first, n = ref.chunks(name, slot)[0]
+    chunk = bad.program(name, first // es, (first + n) // es)
+    wrong = dataclasses.replace(chunk.copies[0], hf_names=tuple(reversed(chunk.copies[0].hf_names)))
+    bad.programs[(name, first // es, (first + n) // es)] = dataclasses.replace(
+        chunk, copies=(wrong,) + chunk.copies[1:]
+    )
+    with pytest.raises(CompiledPlanMismatchError, match=f"parameter {name} of rollout rank 1"):
+        bad.prepare_push(slot)

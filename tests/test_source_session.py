@@ -104,13 +104,20 @@ def assignment(generation: int, receiver=None, path=None) -> Assignment:
     )
 
 
-def test_source_session_writes_every_parameter_of_its_target(session, receiver, model, tmp_path):
+def test_source_session_writes_every_parameter_of_its_target(session, receiver, model, tmp_path, monkeypatch):
     session, engine = session
     handle, nbytes = receiver
     _, path, hf = model
     assert session.transport is None  # nothing allocated before a plan with targets
 
+    from verl_p2p.transfer.mooncake import MooncakeTransport
+
+    reads, read = [], MooncakeTransport.read
+    monkeypatch.setattr(MooncakeTransport, "read", lambda self, sid, *a: (reads.append(sid), read(self, sid, *a))[1])
+    before = handle.digest()
     session.apply(assignment(1, handle, path))
+    assert reads == [handle.remote_info().session_id]  # the connection is opened at apply, before the pause
+    assert handle.digest() == before  # by a read: nothing written
     metrics = session.push()
     assert metrics.total_bytes == sum(nbytes.values())
     assert engine.exported == len(hf)
@@ -133,22 +140,32 @@ def test_idle_rank_runs_the_export_without_transport(session, model):
 
 
 def test_executor_options_reach_the_push(model, receiver, monkeypatch, tmp_path):
-    """executor=compiled (default) pushes through copy programs; verify_first_push checks the first push of
-    each plan generation against SGLang's loader; executor=sglang pushes through SGLang's loader."""
+    """executor=compiled (default) pushes through copy programs; verify_first_push checks each plan generation's
+    programs against SGLang's loader at apply (before the pause), so the push itself checks nothing;
+    executor=sglang pushes through SGLang's loader."""
     from verl_p2p.replica import CompiledReplica, RankReplica
 
     handle, nbytes = receiver
     _, path, _ = model
+    checks: list[int] = []
+    original = CompiledReplica.prepare_push
+    monkeypatch.setattr(
+        CompiledReplica, "prepare_push", lambda self, *a, **k: checks.append(original(self, *a, **k)) or checks[-1]
+    )
     session, _ = make_session(model, monkeypatch, verify_first_push=True)
     try:
         session.apply(assignment(1, handle, path))
         (target,) = session.targets
-        assert isinstance(target.replica, CompiledReplica) and target.replica.verifying
+        assert isinstance(target.replica, CompiledReplica) and not target.replica.verifying
+        assert checks == [len(target.replica.plan.params)]  # every parameter checked at apply
         assert session.buffers.device.type == "cpu"  # staging=auto on a host without CUDA: host slots
+        loads = []
+        reference_load = target.replica.reference.load
+        target.replica.reference.load = lambda *a: (loads.append(a[0]), reference_load(*a))[1]
         assert session.push().total_bytes == sum(nbytes.values())
-        assert not target.replica.verifying  # every parameter was checked on that push
+        assert loads == [] and not target.replica.verifying  # the push ran the checked programs only
         session.apply(assignment(2, handle, path))
-        assert session.targets[0].replica is target.replica and target.replica.verifying  # a new generation
+        assert session.targets[0].replica is target.replica and len(checks) == 2  # a new generation: checked again
         assert session.push().total_bytes == sum(nbytes.values()) and not target.replica.verifying
     finally:
         session.close()

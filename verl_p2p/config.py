@@ -48,7 +48,7 @@ class P2PConfig:
     export_mode: str = "auto"
     release_buffers_on_save: bool = True
     executor: str = "compiled"  # HF -> rollout bytes: compiled copy programs, or SGLang's load_weights per param
-    verify_first_push: bool = True  # check the first push of each plan generation against SGLang's loader
+    verify_first_push: bool = True  # check every compiled program of a plan generation against SGLang's loader at apply
     staging: str = "auto"  # transfer slots in GPU memory (gpu), pinned host memory (pinned), or choose (auto)
     plan_cache_dir: str | None = None  # captured write plans on disk; None: ~/.cache/verl_p2p/plans, "": no cache
     unused_hf_tensors_allowed: tuple[str, ...] = ()  # fnmatch patterns of streamed HF names no rollout param takes

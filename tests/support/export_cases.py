@@ -202,7 +202,7 @@ def fewer_targets_than_ranks(case: ModelCase) -> dict:
 
     modules, bridge = build_tiny_megatron(case.hf_dir, case.par)
     sources = gather_sources()
-    plan = build_transfer_plan(sources, [TargetRank(0, 0)])
+    plan = build_transfer_plan(sources, [TargetRank(0, 0)], split=False)  # one sender, the others drain
     stage = stage_of(torch.distributed.get_rank(), sources, plan)
     exporter = StageExporter(modules, bridge)
     written: dict[str, torch.Tensor] = {}

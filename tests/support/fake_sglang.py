@@ -102,6 +102,7 @@ class FakeSGLang:
         self.lock = threading.Lock()
         self.calls: list[str] = []
         self.bootstrap_calls: list[str] = []
+        self.journal: list[str] | None = None  # a list shared with other recorders: every call, in arrival order
         self.bodies: dict[str, list[Any]] = {}
         self.headers: list[dict[str, str]] = []
         self.injected: dict[str, Injected] = {}
@@ -191,6 +192,8 @@ class FakeSGLang:
             if self.sessions and not self.session_open:
                 raise AssertionError(f"{self.url}: push outside a weight-update session")
             self.calls.append("push")
+            if self.journal is not None:
+                self.journal.append("push")
             self.pushes += 1
             self.pushed_since_reset = True
             self.cache_stale = True
@@ -206,6 +209,8 @@ class FakeSGLang:
         route = path.strip("/")
         with self.lock:
             (self.calls if kind == "control" else self.bootstrap_calls).append(route)
+            if self.journal is not None:
+                self.journal.append(route)
             self.bodies.setdefault(route, []).append(body)
             self.headers.append(dict(headers))
         delay = self.delays.get(route)

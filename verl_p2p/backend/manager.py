@@ -6,7 +6,9 @@ begin, connect, push, version, end, flush, resume; a replica the push left unkno
 trainer only for what must run there:
 
 - first sync, and again only when the plan changes (a replica added/removed/restarted): one `prepare` round
-  (trainer ranks' stages, once) and one `init_process_group` round carrying each rank's assignment;
+  (trainer ranks' stages, once) and one `init_process_group` round carrying each rank's assignment, both
+  before the abort (the lifecycle's prepare step): the trainer builds its replicas, compiles its programs,
+  registers its slots and checks the programs against SGLang's loader while the rollout still generates;
 - every sync: the push itself (`actor_wg.update_weights(mode="p2p")`), with verl's `set_global_steps` stamp
   on the replicas' server actors sent alongside it; a re-push of failed targets (`p2p_push_retries`) is one
   `init_process_group` round with the partial plan plus the push.
@@ -87,7 +89,9 @@ class P2PCheckpointEngineManager(CheckpointEngineManager):
         stale (paused: the push left its weights unknown) as well as those restored."""
         lifecycle = self._ensure_lifecycle(global_steps)
         await self._check_new_servers(lifecycle.adapters)
-        report = await lifecycle.sync(global_steps, lambda connection: self._push(connection, global_steps))
+        report = await lifecycle.sync(
+            global_steps, lambda connection: self._push(connection, global_steps), prepare=self._plan_before_pause
+        )
         out = dict(report.metrics)
         out.update({f"{PREFIX}phase/{name}_s": seconds for name, seconds in report.phases.items()})
         out[f"{PREFIX}reconnected"] = float(report.reconnected)
@@ -118,30 +122,49 @@ class P2PCheckpointEngineManager(CheckpointEngineManager):
         await asyncio.gather(*(check(a) for a in new))
         self._checked |= {a.engine for a in new}
 
-    async def _push(self, connection: Any, global_steps: int | None) -> dict:
-        """The lifecycle's push step: (re)plan on change, then every trainer rank exports and writes."""
+    async def _plan_before_pause(self, connection: Any) -> None:
+        """The lifecycle's prepare step, while the rollout still generates: (re)plan on change and send every
+        trainer rank its assignment (it builds its replicas, programs and slots and checks them then)."""
+        await self._ensure_plan(connection, in_pause=False)
+
+    async def _ensure_plan(self, connection: Any, in_pause: bool) -> None:
+        """Plan `connection` and hand out the assignments unless the trainer holds that plan already."""
         sources = await self._source_metas()
         # engines whose begin answered 404 (no weight-update sessions): the trainer refuses models needing post-load
-        sessionless = tuple(a.engine for a in self._lifecycle.adapters if a.sessions_supported is False)
+        # (before the first begin: what the server's release says, so that the begin's answer changes nothing)
+        sessionless = tuple(a.engine for a in self._lifecycle.adapters if a.sessions_expected is False)
         # a re-push is a plan of its own
         key = (connection.generation, tuple(connection.targets), tuple(sources), sessionless)
-        if key != self._plan_key:
-            self._generation += 1
-            assignments = assign(
-                sources,
-                connection.server_infos,
-                connection.rank_infos,
-                connection.layouts,
-                self._generation,
-                sessionless,
+        if key == self._plan_key:
+            return
+        if in_pause and not connection.partial:
+            logger.warning(
+                "p2p: planning inside the pause: %s",
+                "an engine's begin answered that it has no weight-update sessions"
+                if self._plan_key is not None and key[:3] == self._plan_key[:3]
+                else "the targets changed after the plan made before the pause",
             )
-            await self._on_trainer(
-                self.actor_wg.execute_checkpoint_engine(
-                    method=["init_process_group"] * len(sources), assignment=[assignments[s.rank] for s in sources]
-                )
+        self._generation += 1
+        assignments = assign(
+            sources,
+            connection.server_infos,
+            connection.rank_infos,
+            connection.layouts,
+            self._generation,
+            sessionless,
+        )
+        await self._on_trainer(
+            self.actor_wg.execute_checkpoint_engine(
+                method=["init_process_group"] * len(sources), assignment=[assignments[s.rank] for s in sources]
             )
-            self.trainer_rounds += 1
-            self._plan_key = key
+        )
+        self.trainer_rounds += 1
+        self._plan_key = key
+
+    async def _push(self, connection: Any, global_steps: int | None) -> dict:
+        """The lifecycle's push step: every trainer rank exports and writes (a re-push's partial plan, or one the
+        pause changed, is handed out first)."""
+        await self._ensure_plan(connection, in_pause=True)
         pushes = self.actor_wg.update_weights(global_steps=global_steps, mode=self.backend)
         stamps = [s.set_global_steps.remote(global_steps) for r in self.replicas for s in getattr(r, "servers", [])]
         results, _ = await asyncio.gather(self._on_trainer(pushes), self._on_trainer(stamps))

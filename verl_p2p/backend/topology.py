@@ -58,6 +58,9 @@ class Assignment:
     server_infos: Mapping[int, Mapping[str, Any]] = field(default_factory=dict, repr=False)
     # engines of `targets` known to lack weight-update sessions (SGLang < 0.5.22): no post-load processing
     sessionless_engines: frozenset[int] = frozenset()
+    # target -> (part index, part count): this rank writes only that part of the target's parameters (several
+    # ranks of the stage share the target: `planning.plan.split_by_bytes`); absent: all of them
+    parts: Mapping[TargetRank, tuple[int, int]] = field(default_factory=dict)
 
     @property
     def is_source(self) -> bool:
@@ -84,7 +87,8 @@ def assign(
     generation: int,
     sessionless: Iterable[int] = (),
 ) -> dict[int, Assignment]:
-    """Plan every target onto one source per PP stage; every trainer rank gets an Assignment (maybe idle).
+    """Plan every target onto its sources per PP stage (one, or several each writing a part when the stage has
+    more ranks than targets); every trainer rank gets an Assignment (maybe idle).
     `sessionless`: engines whose servers answered that they have no weight-update sessions."""
     sizes = {s.pp_size for s in sources}
     if len(sizes) > 1:
@@ -118,6 +122,7 @@ def assign(
             layouts={t: layouts[t] for t in mine},
             server_infos={e: server_infos[e] for e in sorted({t.engine for t in mine})},
             sessionless_engines=frozenset(t.engine for t in mine) & sessionless,
+            parts={t: plan.part_of(source.rank, t) for t in mine if plan.part_of(source.rank, t)[1] > 1},
         )
     return result
 

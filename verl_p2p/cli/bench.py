@@ -32,6 +32,7 @@ import torch
 from verl_p2p.cli.bench_model import MODELS, BenchShape, SyntheticStream, model_shape, numel
 from verl_p2p.cli.quiet import run_quietly
 from verl_p2p.planning.targets import TargetRank
+from verl_p2p.transfer.replay import raw_replay
 from verl_p2p.transfer.writer import WriteEntry, Writer
 
 
@@ -75,31 +76,6 @@ class RssSampler:
 def _rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _raw_replay(writer: Writer, recorded: list[list[WriteEntry]], slots: Sequence[tuple[int, int]]) -> float:
-    """The same write lists (same slots, same remote ranges, same lanes), no replica or staging, with the
-    push's flow control: a slot's writes start once the writes of that slot's previous fill returned."""
-
-    def slot_of(entries: list[WriteEntry]) -> int:
-        addr = entries[0].local_addr
-        return next(i for i, (lo, hi) in enumerate(slots) if lo <= addr < hi)
-
-    start = time.perf_counter()
-    in_flight: dict[int, list] = {}  # slot -> batches of its current fill
-    previous = None
-    failures = []
-    for entries in recorded:
-        slot = slot_of(entries)
-        if slot != previous:  # a new fill of this slot: its previous fill must have landed
-            failures += [f for b in in_flight.pop(slot, []) for f in b.wait()]
-            previous = slot
-        in_flight.setdefault(slot, []).append(writer.submit(entries))
-    failures += [f for batches in in_flight.values() for b in batches for f in b.wait()]
-    elapsed = time.perf_counter() - start
-    if failures:
-        raise RuntimeError(f"raw replay failed: {[f.describe() for f in failures]}")
-    return elapsed
 
 
 def _broadcast_once(
@@ -213,7 +189,7 @@ def run_bench(
             for _ in range(repeats):  # raw replay of the last push's write lists, a push, a broadcast: side by side
                 recorded, writer.recorded = writer.recorded, []
                 slots = [(x.addr, x.addr + x.nbytes) for x in buffers.slots]
-                raw_s = _raw_replay(writer, recorded, slots)
+                raw_s = raw_replay(writer, recorded, slots)
                 writer.recorded = []  # the replay's own submits are not part of the next push
                 runs.append((push(iter(stream), targets, buffers, writer), raw_s))
                 if broadcast:

@@ -120,15 +120,18 @@ async def _run(args: argparse.Namespace, workdir: Path) -> int:
         source = SourceSession(config, trainer, hostname="127.0.0.1")
         held_generation = [None]
 
-        async def push(connection: Any) -> dict:
+        async def prepare(connection: Any) -> None:  # before the pause: plan, replicas, programs, slots
             if held_generation[0] != connection.generation:
                 plan = sole_source_assignment(connection)
-                source.apply(plan)
+                await asyncio.to_thread(source.apply, plan)
                 held_generation[0] = connection.generation
                 print(
                     f"[demo] plan generation {plan.generation}: trainer rank 0 (pp 0) -> "
                     + ", ".join(str(t) for t in plan.targets)
                 )
+
+        async def push(connection: Any) -> dict:
+            await prepare(connection)  # a re-push's partial plan
             metrics = await asyncio.to_thread(source.push)
             per_target = {str(t): n for t, n in metrics.bytes_per_target.items()}
             return {"metrics": metrics, "per_target": per_target}
@@ -140,7 +143,7 @@ async def _run(args: argparse.Namespace, workdir: Path) -> int:
                 for chunk in trainer.module:
                     for name, param in chunk.named_parameters():
                         param.copy_(initial[name] * scale)
-            report = await lifecycle.sync(step, push)
+            report = await lifecycle.sync(step, push, prepare=prepare)
             metrics = report.metrics["metrics"]
             if step == args.corrupt_after_step:  # negative control: the check below must catch this byte
                 name = sorted(witness[0][0])[0]

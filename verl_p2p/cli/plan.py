@@ -18,7 +18,7 @@ from verl_p2p.errors import P2PError
 from verl_p2p.planning.hf_names import hf_tensor_specs
 from verl_p2p.planning.layout import layout_from_server_args
 from verl_p2p.planning.model_cards import MODEL_CARDS, PublishedSync, card_name_of, model_card, published_for
-from verl_p2p.planning.plan import SourceRank, build_transfer_plan
+from verl_p2p.planning.plan import SourceRank, build_transfer_plan, split_by_bytes
 from verl_p2p.planning.sync_estimate import (
     DEFAULT_CONVERT_GBPS,
     DEFAULT_CONVERT_SOURCE,
@@ -28,7 +28,7 @@ from verl_p2p.planning.sync_estimate import (
     estimate_sync,
     parse_parallelism,
     rollout_server_args,
-    stage_bytes,
+    stage_params,
     trainer_sources,
 )
 from verl_p2p.planning.targets import TargetRank
@@ -117,24 +117,48 @@ class Planner:
         return self._plans[key]
 
     def estimate(
-        self, trainer: Parallelism, rollout: Parallelism, nic_gbits: float, convert_gbps: float, slot_bytes: int
+        self,
+        trainer: Parallelism,
+        rollout: Parallelism,
+        nic_gbits: float,
+        convert_gbps: float,
+        slot_bytes: int,
+        split: bool = True,
     ) -> tuple[SyncEstimate, dict]:
+        """The estimate of one layout pair; `split`: several sources per target where a stage has more ranks
+        than there are targets (what p2p does), else one (idle ranks)."""
         server_args = rollout_server_args(rollout, dtype=str(self.cfg.get("torch_dtype") or "bfloat16"))
         if not _has_cuda():  # some model classes (yarn rope) ask the device; the plan's bytes do not depend on it
             server_args["device"] = "cpu"
         sources = trainer_sources(trainer)
         layers = int(self.cfg["num_hidden_layers"])
-        per_rank, keys = {}, {}
+        named, keys = {}, {}
         for r in range(rollout.tp):
             plan = self.rank_plan(server_args, r)
             params = [(p.name, p.nbytes, p.feeds) for p in plan.params.values()]
-            per_rank[r] = stage_bytes(params, layers, trainer.pp)
+            named[r] = stage_params(params, layers, trainer.pp)
             keys[r] = layout_from_server_args(server_args, r).key
+        per_rank = {r: {s: sum(n for _, n in ps) for s, ps in by.items()} for r, by in named.items()}
         targets = [TargetRank(e, r) for e in range(rollout.engines) for r in range(rollout.tp)]
         layout_keys = {t: keys[t.rank] for t in targets}
-        transfer = build_transfer_plan(sources, targets, layout_keys)
+        transfer = build_transfer_plan(sources, targets, layout_keys, split=split)
+        parts: dict[tuple[int, int, int], list[int]] = {}
+
+        def part_bytes(t: TargetRank, stage: int, index: int, count: int) -> int:
+            key = (t.rank, stage, count)
+            if key not in parts:
+                sizes = dict(named[t.rank][stage])
+                parts[key] = [sum(sizes[n] for n in p) for p in split_by_bytes(sizes.items(), count)]
+            return parts[key][index]
+
         estimate = estimate_sync(
-            transfer, {t: per_rank[t.rank] for t in targets}, layout_keys, nic_gbits, convert_gbps, slot_bytes
+            transfer,
+            {t: per_rank[t.rank] for t in targets},
+            layout_keys,
+            nic_gbits,
+            convert_gbps,
+            slot_bytes,
+            part_bytes=part_bytes,
         )
         return estimate, server_args
 
@@ -176,15 +200,23 @@ def estimate_json(est: SyncEstimate, trainer: Parallelism, rollout: Parallelism)
         },
         "target_bytes": {f"e{t.engine}r{t.rank}": n for t, n in sorted(est.target_bytes.items())},
         "links": [
-            {"source": s.rank, "pp_stage": s.pp_stage, "engine": t.engine, "rank": t.rank, "bytes": n}
+            {
+                "source": s.rank,
+                "pp_stage": s.pp_stage,
+                "engine": t.engine,
+                "rank": t.rank,
+                "bytes": n,
+                **({"part": [i + 1, k]} if k > 1 else {}),
+            }
             for s in est.sources
-            for t, n in s.links
+            for (t, n), (i, k) in zip(s.links, s.parts or [(0, 1)] * len(s.links), strict=True)
         ],
         "sources": [
             {
                 "rank": s.rank,
                 "pp_stage": s.pp_stage,
                 "targets": [f"e{t.engine}r{t.rank}" for t, _ in s.links],
+                "parts": [f"{i + 1}/{k}" for i, k in s.parts] if any(k > 1 for _, k in s.parts) else None,
                 "wire_bytes": s.wire_bytes,
                 "convert_bytes": s.convert_bytes,
                 "wire_s": s.wire_s,
@@ -194,13 +226,25 @@ def estimate_json(est: SyncEstimate, trainer: Parallelism, rollout: Parallelism)
             for s in est.sources
         ],
         "total_bytes": est.total_bytes,
+        "senders": len(est.senders),
         "slowest_source": est.slowest.rank,
         "wire_floor_s": est.wire_floor_s,
         "predicted_s": est.predicted_s,
     }
 
 
-def _print_estimate(est: SyncEstimate, trainer: Parallelism, rollout: Parallelism) -> None:
+def without_split_json(est: SyncEstimate) -> dict:
+    """The same layouts with one source per target and stage (idle ranks), beside the split's figures."""
+    return {
+        "senders_without_split": len(est.senders),
+        "wire_floor_without_split_s": est.wire_floor_s,
+        "predicted_without_split_s": est.predicted_s,
+    }
+
+
+def _print_estimate(
+    est: SyncEstimate, trainer: Parallelism, rollout: Parallelism, unsplit: SyncEstimate | None = None
+) -> None:
     print(
         f"trainer {trainer.describe()}: {trainer.trainer_ranks} ranks (dp={trainer.trainer_dp}), "
         f"{trainer.trainer_ranks // trainer.pp} sources per stage"
@@ -210,7 +254,14 @@ def _print_estimate(est: SyncEstimate, trainer: Parallelism, rollout: Parallelis
     print(f"bytes per target rank (from the write plans): {', '.join(_gb(n) for n in sizes)}")
     print(f"{'source':>6} {'stage':>5} {'wire':>9} {'convert':>9} {'wire s':>7} {'conv s':>7} {'pred s':>7}  links")
     for s in est.sources:
-        links = " ".join(f"e{t.engine}r{t.rank}:{_gb(n)}" for t, n in s.links) or "(idle)"
+        parts = s.parts or [(0, 1)] * len(s.links)
+        links = (
+            " ".join(
+                f"e{t.engine}r{t.rank}{f'[{i + 1}/{k}]' if k > 1 else ''}:{_gb(n)}"
+                for (t, n), (i, k) in zip(s.links, parts, strict=True)
+            )
+            or "(idle)"
+        )
         print(
             f"{s.rank:>6} {s.pp_stage:>5} {_gb(s.wire_bytes):>9} {_gb(s.convert_bytes):>9} "
             f"{s.wire_s:>7.3f} {s.convert_s:>7.3f} {s.predicted_s:>7.3f}  {links}"
@@ -220,6 +271,11 @@ def _print_estimate(est: SyncEstimate, trainer: Parallelism, rollout: Parallelis
         f"slowest source {slow.rank} (stage {slow.pp_stage}): {_gb(slow.wire_bytes)} -> wire floor "
         f"{est.wire_floor_s:.3f} s at {est.nic_gbits:g} Gb/s; predicted sync {est.predicted_s:.3f} s"
     )
+    if unsplit is not None:
+        print(
+            f"{len(est.senders)} of {len(est.sources)} sources send; without the split (one source per target and "
+            f"stage) {len(unsplit.senders)} would: predicted {unsplit.predicted_s:.3f} s"
+        )
 
 
 def _assumptions(nic_gbits: float, convert_gbps: float, convert_given: bool, slot_bytes: int) -> dict:
@@ -303,6 +359,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         rows = []
         for p in published:
             est, _ = planner.estimate(p.trainer, p.rollout, args.nic_gbps, convert_gbps, slot_bytes)
+            unsplit, _ = planner.estimate(p.trainer, p.rollout, args.nic_gbps, convert_gbps, slot_bytes, split=False)
             rows.append(
                 {
                     "system": p.system,
@@ -311,12 +368,15 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                     "setting": p.setting,
                     "assumed": p.assumed,
                     **estimate_json(est, p.trainer, p.rollout),
+                    **without_split_json(unsplit),
                 }
             )
         out["anchors"] = rows
     else:
         est, _ = planner.estimate(trainer, rollout, args.nic_gbps, convert_gbps, slot_bytes)
+        unsplit, _ = planner.estimate(trainer, rollout, args.nic_gbps, convert_gbps, slot_bytes, split=False)
         out.update(estimate_json(est, trainer, rollout))
+        out.update(without_split_json(unsplit))
         out["published"] = [{"system": p.system, "published": p.figure(), "setting": p.setting} for p in published]
     out["plans"] = planner.captures
     out["refused"] = sorted(planner.refusals)
@@ -325,16 +385,20 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return 0
     print(f"model {label}: {out['hf_tensors']} HF tensors, {_gb(out['hf_bytes'])}")
     if anchors:
-        print(f"{'system':<24} {'published':>10} {'predicted':>10} {'wire floor':>10}  trainer -> rollout (assumed)")
+        print(
+            f"{'system':<24} {'published':>10} {'predicted':>10} {'wire floor':>10} {'no split':>10}  "
+            "trainer -> rollout (assumed)"
+        )
         for row in out["anchors"]:
             print(
                 f"{row['system']:<24} {row['published']:>10} {row['predicted_s']:>9.3f}s {row['wire_floor_s']:>9.3f}s"
-                f"  {row['trainer']['layout']} -> {row['rollout']['layout']}"
+                f" {row['predicted_without_split_s']:>9.3f}s  {row['trainer']['layout']} -> {row['rollout']['layout']}"
+                f" ({row['senders']} of {row['trainer']['ranks']} trainer GPUs send)"
             )
         for row in out["anchors"]:
             print(f"  {row['system']} {row['published']}: {row['setting']}; assumed: {row['assumed']}")
     else:
-        _print_estimate(est, trainer, rollout)
+        _print_estimate(est, trainer, rollout, unsplit)
         for p in published:
             print(f"published for this model: {_published_line(p)}")
     print("assumptions: " + "; ".join(f"{k}: {v}" for k, v in assumptions.items()))

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 # Model shapes. "tiny": the CPU sandbox's (CI, loopback). "gpu": big enough that a push measures bandwidth.
+# "4b": Qwen3-4B's shape (tied embeddings, about 8 GB in bf16): a sync of a few GB, where the pause figures show.
 SIZES: dict[str, dict[str, dict[str, Any]]] = {
     "tiny": {"qwen3": {}, "qwen3_moe": {}},
     "gpu": {
@@ -56,6 +57,18 @@ SIZES: dict[str, dict[str, dict[str, Any]]] = {
             moe_intermediate_size=512,
         ),
     },
+}
+SIZES["4b"] = {
+    "qwen3": dict(
+        vocab_size=151936,
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+    )
 }
 PROMPT = [3, 17, 42, 99, 7, 150, 23, 88, 5, 61, 200, 14, 9, 77, 31, 128]
 NEW_TOKENS = 16
@@ -88,6 +101,55 @@ class SyncRecord:
     paused_s: float = 0.0
     checks: list[Check] = field(default_factory=list)
     notes: dict[str, Any] = field(default_factory=dict)
+
+
+def paused_seconds(phases: dict[str, float]) -> float:
+    """How long the sync held the rollout paused, less the check_weight_update_equal steps it was asked for."""
+    return phases.get("paused", 0.0) - phases.get("check_arm", 0.0) - phases.get("check_compare", 0.0)
+
+
+def _median(values: list[float]) -> float | None:
+    values = sorted(values)
+    return values[len(values) // 2] if values else None
+
+
+def pause_and_raw_figures(records: list[SyncRecord]) -> dict[str, Any]:
+    """Issue 18's figures: paused seconds of the first sync (less the weights checker's steps), of the first sync
+    after a trainer restart and of the steady-state syncs, their ratios (goal <= 1.5), and each raw-replay sync's
+    push beside raw Mooncake writes of the same write lists (goal <= 1.25)."""
+    ok = [r for r in records if r.outcome == "ok"]
+    first = ok[0] if ok and ok[0].index == 0 else None
+    restarted = [r for r in ok if r.notes.get("first_after_trainer_restart")]
+    steady = [
+        r.paused_s
+        for r in ok
+        if r is not first
+        and not r.drill
+        and not r.notes.get("raw_replay")
+        and r not in restarted
+        and not r.notes.get("replanned_in_pause")
+    ]
+    steady_s = _median(steady)
+    raw = [r.push for r in ok if r.notes.get("raw_replay") and "raw_seconds" in r.push]
+    out: dict[str, Any] = {
+        "first_sync_paused_s": first.paused_s if first else None,
+        "first_after_trainer_restart_paused_s": restarted[0].paused_s if restarted else None,
+        "steady_state_paused_s": steady,
+        "steady_state_paused_median_s": steady_s,
+        "push_vs_raw": [
+            {k: p[k] for k in ("seconds", "raw_seconds", "push_over_raw", "push_over_raw_less_export", "bytes")}
+            for p in raw
+        ],
+        "push_over_raw_median": _median([p["push_over_raw"] for p in raw]),
+        "push_over_raw_less_export_median": _median([p["push_over_raw_less_export"] for p in raw]),
+        "goals": {"paused_over_steady": 1.5, "push_over_raw": 1.25},
+    }
+    if steady_s:
+        if first is not None:
+            out["first_over_steady"] = first.paused_s / steady_s
+        if restarted:
+            out["restart_over_steady"] = restarted[0].paused_s / steady_s
+    return out
 
 
 class Harness:
@@ -210,15 +272,23 @@ class Harness:
         self.applied = key
 
     async def sync(
-        self, weights: int, drill: str | None = None, around_push: Any = None, settle: Any = None
+        self,
+        weights: int,
+        drill: str | None = None,
+        around_push: Any = None,
+        settle: Any = None,
+        raw: bool = False,
     ) -> SyncRecord:
         """One sync to weight set `weights`, checked. `around_push(attempt, push)`, when given, runs each push
         attempt of the sync (1: the push, 2..: its re-pushes) and must await `push()`; `settle()` runs once the
-        lifecycle returned, before the checks (the soak's faults: thaw what it froze)."""
+        lifecycle returned, before the checks (the soak's faults: thaw what it froze). `raw`: the push first
+        replays the previous push's write lists raw (the side-by-side figure)."""
         from verl_p2p.rollout.lifecycle import SyncError
 
         index = len(self.records)
         record = SyncRecord(index=index, version=str(index + 1), weights=weights, drill=drill, outcome="ok")
+        record.notes["raw_replay"] = raw  # this sync's pause also holds a raw replay: not a steady-state figure
+        record.notes["first_after_trainer_restart"] = bool(self.records and self.records[-1].drill == "kill")
         self.records.append(record)
         if not self.stale and self.generate_next:  # cached prefix with the weights held now (a stale one would wait)
             record.notes["generation_before"] = await self._generate(self.rollout, self.client)
@@ -228,27 +298,33 @@ class Harness:
 
         attempts = [0]
 
+        async def prepare(connection: Any) -> None:  # before the pause: plan, replicas, programs, first check
+            await asyncio.to_thread(self._ensure_applied, connection, drill == "wrong_session")
+
         async def push(connection: Any) -> dict:
             attempts[0] += 1
 
             async def attempt() -> dict:
-                self._ensure_applied(connection, corrupt_session=drill == "wrong_session")
+                await prepare(connection)  # a no-op but for a re-push's partial plan (or one re-planned in the pause)
                 if drill == "paused_call":
                     side_tasks.update(await self._paused_calls(record))
                 if drill == "kill":
                     return await self._killed_push(marker, record)
-                return await asyncio.to_thread(self.trainer.call, "push", {})
+                return await asyncio.to_thread(self.trainer.call, "push", {"raw": raw and not connection.partial})
 
             return await (attempt() if around_push is None else around_push(attempts[0], attempt))
 
         events_before = self.rollout.event_count() if not self.rollout.generates else 0
         t0 = time.perf_counter()
         try:
-            report = await self.lifecycle.sync(record.version, push)
+            report = await self.lifecycle.sync(record.version, push, prepare=prepare)
             record.phases = {k: round(v, 4) for k, v in report.phases.items()}
             record.push = report.metrics
-            record.paused_s = round(record.phases.get("total", 0.0), 4)
+            record.paused_s = round(paused_seconds(report.phases), 4)
             record.notes["retried"] = [str(t) for t in report.retried_targets]
+            record.notes["steps_in_pause"] = report.steps_in_pause
+            if report.replanned_in_pause:
+                record.notes["replanned_in_pause"] = report.replanned_in_pause
         except SyncError as exc:
             record.outcome, record.error = "failed", str(exc)
             record.notes["stale_engines"] = sorted(exc.stale_engines)
@@ -376,6 +452,8 @@ class Harness:
         first.checks.insert(0, Check("weights_checker_compare", first.outcome == "ok", first.error[:300]))
         for i in range(1, self.args.syncs):
             await self.sync(i % 2)
+        for _ in range(self.args.raw_syncs):  # each push beside raw Mooncake writes of its own write lists
+            await self.sync(1 - self.held, raw=True)
         for drill in self.args.drills:
             target = 1 - self.held
             await self.sync(target, drill)
@@ -416,6 +494,7 @@ class Harness:
             "drills": drills,
             "push_gbps_median": sorted(gbps)[len(gbps) // 2] if gbps else None,
             "push_bytes": ok_syncs[0].push.get("bytes") if ok_syncs else None,
+            "figures": pause_and_raw_figures(self.records),
         }
 
 
@@ -459,6 +538,15 @@ def _summary(results: dict[str, Any]) -> str:
                 f"paused {s['paused_s']:.3f}s  {'checks ok' if not bad else 'FAILED ' + ','.join(bad)}"
                 + (f"  error: {s['error'][:160]}" if s["error"] else "")
             )
+        f = r.get("figures") or {}
+        if f:
+            lines.append(
+                f"  paused: first {f.get('first_sync_paused_s')} s, after trainer restart "
+                f"{f.get('first_after_trainer_restart_paused_s')} s, steady median "
+                f"{f.get('steady_state_paused_median_s')} s (first/steady {f.get('first_over_steady')}, "
+                f"restart/steady {f.get('restart_over_steady')}; goal 1.5); push/raw "
+                f"{f.get('push_over_raw_median')} (less export {f.get('push_over_raw_less_export_median')}; goal 1.25)"
+            )
         if r.get("error"):
             lines.append("  ERROR: " + r["error"].strip().splitlines()[-1])
     return "\n".join(lines)
@@ -471,6 +559,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", choices=tuple(SIZES), default=None, help="default: gpu for sglang, tiny for loopback")
     parser.add_argument("--device", choices=("cuda", "cpu"), default=None, help="trainer device (default by rollout)")
     parser.add_argument("--syncs", type=int, default=3, help="plain syncs before the drills (the first is checked)")
+    parser.add_argument(
+        "--raw-syncs", type=int, default=1, help="syncs whose push is put beside a raw replay of its write lists"
+    )
     parser.add_argument("--drills", default=",".join(DRILLS), help=f"comma list of {DRILLS}, or none")
     parser.add_argument("--bucket-mb", type=int, default=16)
     parser.add_argument("--staging", choices=("auto", "gpu", "pinned"), default="auto")
@@ -489,6 +580,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown drill/model {unknown}")
     args.size = args.size or ("gpu" if args.rollout == "sglang" else "tiny")
+    unsized = [m for m in args.models if m not in SIZES[args.size]]
+    if unsized:
+        parser.error(f"--size {args.size} has no shape for {unsized}: use --models {','.join(SIZES[args.size])}")
     args.device = args.device or ("cuda" if args.rollout == "sglang" else "cpu")
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     if args.device == "cpu":

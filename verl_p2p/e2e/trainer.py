@@ -84,7 +84,31 @@ def _serve(spec: TrainerSpec, conn: Any) -> None:
                 shutil.copy(Path(spec.model_dir) / extra, out / extra)
         return str(out)
 
+    recorded: list[list[Any]] = []  # the last push's write lists (what a raw replay moves again)
+
+    def raw_replay() -> float | None:
+        """The last push's write lists again, raw (no export, replica or staging), timed; None without one."""
+        from verl_p2p.transfer.replay import raw_replay as replay
+
+        if not recorded or source.writer is None or source.buffers is None:
+            return None
+        seconds = replay(source.writer, recorded, [(x.addr, x.addr + x.nbytes) for x in source.buffers.slots])
+        if cuda:
+            torch.cuda.synchronize()
+        return seconds
+
     def push(options: dict[str, Any]) -> dict[str, Any]:
+        raw_s = raw_replay() if options.get("raw") else None  # the push below rewrites every byte it wrote
+        if source.writer is not None:  # record this push's write lists
+            recorded.clear()
+            submit_recorded = source.writer.submit
+
+            def recording_submit(entries):
+                entries = list(entries)
+                recorded.append(entries)
+                return submit_recorded(entries)
+
+            source.writer.submit = recording_submit
         stall_after = options.get("stall_after_batches")
         if stall_after is not None:  # drill: stop for good after that many batches were handed to the writer
             submit, submitted = source.writer.submit, [0]
@@ -98,12 +122,24 @@ def _serve(spec: TrainerSpec, conn: Any) -> None:
                 return batch
 
             source.writer.submit = stalling_submit
-        metrics = source.push()
+        try:
+            metrics = source.push()
+        finally:
+            if source.writer is not None:
+                source.writer.__dict__.pop("submit", None)  # the class's submit again
         if cuda:
             torch.cuda.synchronize()
         if metrics is None:
             return {}
+        extra = {}
+        if raw_s is not None:
+            extra = {
+                "raw_seconds": raw_s,
+                "push_over_raw": metrics.seconds_total / raw_s,
+                "push_over_raw_less_export": (metrics.seconds_total - metrics.seconds_hf_wait) / raw_s,
+            }
         return {
+            **extra,
             "bytes": metrics.total_bytes,
             "seconds": metrics.seconds_total,
             "gbps": metrics.gbps,

@@ -223,6 +223,15 @@ PUBLISHED_SYNCS: tuple[PublishedSync, ...] = (
         "the 64 + 64 GPU split and the parallelism of both sides",
     ),
     PublishedSync(
+        "vLLM sharded RDT (NIXL)",
+        "qwen3-235b-a22b",
+        (3.2, 3.3),
+        "8 trainer + 8 rollout H100 GPUs, sharded weight transfer over NIXL",
+        Parallelism(tp=1, ep=8, dp=8),
+        Parallelism(tp=8, ep=8),
+        "the parallelism of both sides (one 8-GPU node per side)",
+    ),
+    PublishedSync(
         "verl mooncake backend",
         "qwen3-30b-a3b",
         (5.93, 5.93),

@@ -1,8 +1,9 @@
 """What one sync moves and how long it should take, from the bytes each rollout rank holds (pure arithmetic).
 
 The bytes come from the rollout ranks' write plans (the caller captures or loads them). Per trainer pipeline
-stage, every rollout rank gets one sender (`build_transfer_plan`); a sender converts the bytes of each
-distinct rank layout it serves once and writes them to every target holding that layout. The estimate:
+stage, every rollout rank gets one sender, or several each writing one part of its parameters when the stage
+has more ranks than there are targets (`build_transfer_plan`); a sender converts the bytes of each distinct
+(rank layout, part) it serves once and writes them to every target holding that layout. The estimate:
 
 - wire: a source's bytes over its NIC (one NIC per trainer GPU); the slowest source is the wire floor;
 - convert: the bytes a source produces (once per distinct layout) at the conversion throughput;
@@ -15,7 +16,7 @@ Not counted: the trainer's HF export (Megatron all-gathers) and the rollout's pa
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from verl_p2p.planning.hf_names import pp_stage_of
@@ -104,16 +105,23 @@ def rollout_server_args(par: Parallelism, dtype: str = "bfloat16") -> dict:
     return args
 
 
-def stage_bytes(params: Iterable[tuple[str, int, Sequence[str]]], num_layers: int, pp: int) -> dict[int, int]:
-    """Bytes of one rollout rank each trainer stage writes: a parameter belongs to the stage exporting its
-    feeds (feedless padding fills to stage 0); `params` is (name, nbytes, feeds)."""
-    out = dict.fromkeys(range(pp), 0)
+def stage_params(
+    params: Iterable[tuple[str, int, Sequence[str]]], num_layers: int, pp: int
+) -> dict[int, list[tuple[str, int]]]:
+    """(name, nbytes) of one rollout rank's parameters per trainer stage: a parameter belongs to the stage
+    exporting its feeds (feedless padding fills to stage 0); `params` is (name, nbytes, feeds)."""
+    out: dict[int, list[tuple[str, int]]] = {s: [] for s in range(pp)}
     for name, nbytes, feeds in params:
         stages = {pp_stage_of(f, num_layers, pp) for f in feeds} or {0}
         if len(stages) > 1:
             raise ValueError(f"rollout parameter {name} is fed by HF tensors of stages {sorted(stages)}")
-        out[stages.pop()] += nbytes
+        out[stages.pop()].append((name, int(nbytes)))
     return out
+
+
+def stage_bytes(params: Iterable[tuple[str, int, Sequence[str]]], num_layers: int, pp: int) -> dict[int, int]:
+    """Bytes of one rollout rank each trainer stage writes (see `stage_params`)."""
+    return {s: sum(n for _, n in named) for s, named in stage_params(params, num_layers, pp).items()}
 
 
 @dataclass(frozen=True)
@@ -125,6 +133,7 @@ class SourceEstimate:
     wire_s: float
     convert_s: float
     predicted_s: float
+    parts: tuple[tuple[int, int], ...] = ()  # (part index, count) per link; (0, 1): the whole target
 
     @property
     def wire_bytes(self) -> int:
@@ -161,6 +170,9 @@ class SyncEstimate:
         return sum(s.wire_bytes for s in self.sources)
 
 
+PartBytes = Callable[[TargetRank, int, int, int], int]  # (target, stage, part index, part count) -> bytes
+
+
 def estimate_sync(
     transfer: TransferPlan,
     bytes_by_stage: Mapping[TargetRank, Mapping[int, int]],
@@ -168,23 +180,33 @@ def estimate_sync(
     nic_gbits: float = DEFAULT_NIC_GBITS,
     convert_gbps: float = DEFAULT_CONVERT_GBPS,
     slot_bytes: int = 512 << 20,
+    part_bytes: PartBytes | None = None,
 ) -> SyncEstimate:
-    """Per-source wire and conversion time of `transfer`; `bytes_by_stage[target][stage]` from the plans."""
+    """Per-source wire and conversion time of `transfer`; `bytes_by_stage[target][stage]` from the plans.
+    `part_bytes`: the bytes of one part of a split target (from its parameters, `split_by_bytes`); without it
+    a part counts as an even share."""
     if nic_gbits <= 0 or convert_gbps <= 0 or slot_bytes <= 0:
         raise ValueError("NIC bandwidth, conversion throughput and slot size must be positive")
     nic_bps, convert_bps = nic_gbits * 1e9 / 8, convert_gbps * 1e9
     sources = []
     for rank in sorted(transfer.tasks):
         stage = transfer.stages[rank]
-        links = tuple((t, bytes_by_stage[t][stage]) for t in transfer.tasks[rank])
-        produced: dict[Hashable, int] = {}
-        for t, n in links:
-            produced[layout_keys[t]] = n
+        links, produced = [], {}
+        parts = tuple(transfer.part_of(rank, t) for t in transfer.tasks[rank])
+        for t, (index, count) in zip(transfer.tasks[rank], parts, strict=True):
+            whole = bytes_by_stage[t][stage]
+            if count == 1:
+                n = whole
+            else:
+                n = part_bytes(t, stage, index, count) if part_bytes else -(-whole // count)
+            links.append((t, n))
+            produced[(layout_keys[t], index, count)] = n
+        links = tuple(links)
         convert_bytes = sum(produced.values())
         wire_s = sum(n for _, n in links) / nic_bps
         convert_s = convert_bytes / convert_bps
         one_slot = min(slot_bytes / nic_bps, slot_bytes / convert_bps, min(wire_s, convert_s))
         predicted = max(wire_s, convert_s) + one_slot if links else 0.0
-        sources.append(SourceEstimate(rank, stage, links, convert_bytes, wire_s, convert_s, predicted))
+        sources.append(SourceEstimate(rank, stage, links, convert_bytes, wire_s, convert_s, predicted, parts))
     totals = {t: sum(by.values()) for t, by in bytes_by_stage.items()}
     return SyncEstimate(tuple(sources), nic_gbits, convert_gbps, slot_bytes, totals)

@@ -13,10 +13,15 @@ asynchronous on CUDA: the caller synchronizes before the bytes are read (push do
 
 `verify_next_push()` arms a byte-for-byte check of the next load of every parameter against the reference
 executor; the first difference raises `CompiledPlanMismatchError` naming the parameter and the rank.
+`prepare_push(slot_bytes, verify=True)` does both before any push: it compiles every program the push will run
+(whole parameters, or the slot-sized chunks of those larger than a slot) and checks each against SGLang's loader
+on synthetic HF tensors into scratch memory. A program is a function of the write plan, not of the values, so
+this is the first push's check without holding the rollout paused for it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Hashable, Mapping
 from typing import Any
@@ -109,6 +114,35 @@ class CompiledReplica:
     @property
     def verifying(self) -> bool:
         return bool(self._verify_pending)
+
+    def prepare_push(self, slot_bytes: int, verify: bool = True, device: torch.device | None = None) -> int:
+        """Compile every program a push with slots of `slot_bytes` runs and, with `verify`, check each against
+        the reference executor now: synthetic HF tensors (seeded per name) on `device`, scratch outputs, nothing
+        sent. Returns the number of parameters checked; raises CompiledPlanMismatchError on a difference."""
+        device = torch.device("cpu") if device is None else device
+        checked = 0
+        for name, p in self.plan.params.items():
+            if name in self.fallbacks or p.nbytes == 0:
+                continue  # SGLang's loader itself: nothing compiled, nothing to check
+            ranges = self.chunks(name, slot_bytes) if p.nbytes > slot_bytes or not p.feeds else [(0, p.nbytes)]
+            es = p.dtype.itemsize
+            for offset, length in ranges:
+                self._program(p, offset // es, (offset + length) // es)
+            if not verify:
+                continue
+            feeds = {f: synthetic_hf_tensor(f, *self.plan.hf_specs[f], device=device) for f in p.feeds}
+            self._verify_pending.add(name)
+            self._verify_full = None
+            for offset, length in ranges:
+                dst = torch.empty(length, dtype=torch.uint8, device=device)
+                if ranges == [(0, p.nbytes)]:
+                    self.load(name, feeds, dst)
+                else:
+                    self.load_chunk(name, feeds, offset, dst)
+            self._verify_pending.discard(name)
+            self._verify_full = None
+            checked += 1
+        return checked
 
     def _verify(self, p: ParamPlan, hf_tensors: Mapping[str, torch.Tensor], byte_offset: int, dst: torch.Tensor):
         if self._verify_full is None or self._verify_full[0] != p.name:
@@ -230,6 +264,18 @@ def run_program(prog: CopyProgram, feeds: Mapping[str, torch.Tensor], out: torch
         out.as_strided(f.shape, f.stride, base + f.offset).fill_(f.value)
 
 
+def synthetic_hf_tensor(
+    name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | None = None
+) -> torch.Tensor:
+    """A stand-in for HF tensor `name`: distinct values (normal, seeded by the name), so a misplaced element shows."""
+    device = torch.device("cpu") if device is None else torch.device(device)
+    seed = int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little") % 2**63
+    generator = torch.Generator(device=device).manual_seed(seed)
+    if dtype.is_floating_point:
+        return torch.randn(tuple(shape), generator=generator, dtype=torch.float32, device=device).to(dtype)
+    return torch.randint(0, 127, tuple(shape), generator=generator, dtype=torch.int64, device=device).to(dtype)
+
+
 def make_executor(replica: Any, executor: str = "compiled", verify_first_push: bool = False) -> Any:
     """The executor push uses for `replica`: the compiled one, or the RankReplica itself (`sglang`)."""
     if executor == "sglang":
@@ -239,4 +285,11 @@ def make_executor(replica: Any, executor: str = "compiled", verify_first_push: b
     raise ValueError(f"executor={executor!r}: choose one of {list(EXECUTORS)}")
 
 
-__all__ = ["EXECUTORS", "CompiledPlanMismatchError", "CompiledReplica", "make_executor", "run_program"]
+__all__ = [
+    "EXECUTORS",
+    "CompiledPlanMismatchError",
+    "CompiledReplica",
+    "make_executor",
+    "run_program",
+    "synthetic_hf_tensor",
+]

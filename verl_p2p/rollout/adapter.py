@@ -77,6 +77,19 @@ class P2PReplicaAdapter:
         """False once the server answered 404 to begin/end (SGLang < 0.5.21): post-load processing won't run."""
         return self.client.sessions_supported
 
+    @property
+    def sessions_expected(self) -> bool | None:
+        """`sessions_supported` once known, else what the server's release says (sessions came in SGLang 0.5.21):
+        what a plan made before the first begin assumes, so the begin's answer does not re-plan in the pause."""
+        if self.client.sessions_supported is not None:
+            return self.client.sessions_supported
+        from packaging.version import InvalidVersion, Version
+
+        try:
+            return Version(str(self.server_version)) >= Version("0.5.21") if self.server_version else None
+        except InvalidVersion:
+            return None
+
     # ---- lifecycle actions ---------------------------------------------------------------------------------
 
     async def pause(self, mode: str | None = None) -> None:

@@ -1,7 +1,10 @@
 """The sync sequence (docs/architecture.md, "One sync"): the only module that knows the order of the steps.
 
-    abort -> release KV (when the rollout frees it) -> [checker: snapshot + reset, once] -> begin session
-    -> connect (cached) -> push [-> re-push the targets left unknown, `p2p_push_retries` times]
+    [while the rollout still generates: connect (cached) -> prepare (plan, the trainer's replicas, programs,
+    slots, first-push check; a no-op when nothing changed)]
+    -> abort -> release KV (when the rollout frees it) -> [checker: snapshot + reset, once] -> begin session
+    -> recheck (the rank info re-read overlapped with abort..begin; changed: re-plan here, logged)
+    -> push [-> re-push the targets left unknown, `p2p_push_retries` times]
     -> per replica whose every target got all its bytes: bump version -> end session -> [checker: compare,
        until passed] -> resume KV -> flush prefix cache -> resume generation
 
@@ -25,15 +28,17 @@ its prefix cache after the weight updates it performs itself, but one-sided writ
 the flush, prefixes cached with the old weights would be served after the sync. docs/failures.md has what each
 failure leaves behind.
 
-Connect is cached. Every sync re-reads each rank's transfer-engine info (one GET per rank, all in parallel,
-overlapped with abort..begin: the info is fixed for a server's lifetime) and compares a digest of the raw
-answer with the cached one; only a changed digest is parsed, and only a changed
-`RemoteRankInfo.fingerprint()` (session id, an address or a size) counts as a change. Server args are fetched
-once per engine and again only when its rank info changed (a restarted server) or the engine was re-added.
-The decision is taken at the connect step, after begin. A change yields a new `Connection` (a new
-`generation`, `changed_engines`); otherwise the same object comes back, so the push side re-plans only on
-change. A retry's Connection is `partial` (only the targets to re-push) and has a generation of its own.
-`recheck_rank_info=False` skips the per-sync re-read (then only add/remove_adapters trigger a reconnect).
+Connect is cached and runs before the pause. Every sync reads each rank's transfer-engine info (one GET per
+rank, all in parallel) and compares a digest of the raw answer with the cached one; only a changed digest is
+parsed, and only a changed `RemoteRankInfo.fingerprint()` (session id, an address or a size) counts as a change.
+Server args are fetched once per engine and again only when its rank info changed (a restarted server) or the
+engine was re-added. A failed connect or prepare fails the sync before anything is paused. Inside the pause
+the rank info is read once more, overlapped with abort..begin (the recheck): a server that restarted after the
+first read is re-planned there, the reason logged and reported (`SyncReport.replanned_in_pause`). A change
+yields a new `Connection` (a new `generation`, `changed_engines`); otherwise the same object comes back, so the
+push side re-plans only on change. A retry's Connection is `partial` (only the targets to re-push) and has a
+generation of its own.
+`recheck_rank_info=False` skips the per-sync re-reads (then only add/remove_adapters trigger a reconnect).
 """
 
 from __future__ import annotations
@@ -135,7 +140,8 @@ class SyncError(P2PError):
 
 @dataclass
 class SyncReport:
-    """Per-step wall seconds (`total`, and `control_plane` = total minus push), the push's metrics."""
+    """Per-step wall seconds (`total`; `paused`: from the abort to the resume; `control_plane` = total minus
+    push; `connect` and `prepare` ran before the pause), the push's metrics."""
 
     version: str
     phases: dict[str, float]
@@ -145,9 +151,16 @@ class SyncReport:
     engines_without_sessions: list[int] = field(default_factory=list)
     retried_targets: list[TargetRank] = field(default_factory=list)  # re-pushed after a failed first push
     recovered_engines: list[int] = field(default_factory=list)  # stale before this sync, resumed by it
+    steps_in_pause: list[str] = field(default_factory=list)  # the lifecycle's steps from the abort on, in order
+    replanned_in_pause: str | None = None  # why the plan was redone inside the pause (None: it was not)
 
 
 Push = Callable[[Connection], Awaitable[Mapping[str, Any] | None]]
+# Everything a push needs that can be done while the rollout still generates (plan, assignments, the trainer's
+# replicas, programs, slots, the first-push check), for this Connection; called before the abort every sync
+# (it must return at once when it holds the Connection already), again inside the pause only when the rank
+# info changed after the abort.
+Prepare = Callable[[Connection], Awaitable[None]]
 
 
 class _Stop(Exception):
@@ -299,29 +312,35 @@ class SyncLifecycle:
 
     # ---- sync ----------------------------------------------------------------------------------------------
 
-    async def sync(self, version: Any, push: Push) -> SyncReport:
+    async def sync(self, version: Any, push: Push, prepare: Prepare | None = None) -> SyncReport:
         """One weight sync to `version` (the global step); raises SyncError naming every failed replica and
-        every replica left stale."""
+        every replica left stale. `prepare` runs before the abort (see `Prepare`)."""
         if self._running:
             raise RuntimeError("SyncLifecycle.sync is already running: syncs must not overlap")
         self._running = True
         try:
-            return await self._sync(str(version), push)
+            return await self._sync(str(version), push, prepare)
         finally:
             self._running = False
 
-    async def _sync(self, version: str, push: Push) -> SyncReport:
+    async def _sync(self, version: str, push: Push, prepare: Prepare | None = None) -> SyncReport:
         run = _Run(self, version)
         adapters = self.adapters
         was_stale = {a.engine for a in adapters if a.engine in self._stale}
-        # Rank info is fixed for a server's lifetime, so its per-sync re-read overlaps abort..begin; the
-        # decision (reconnect or not) is taken at the connect step, after begin.
+        try:
+            await self._before_pause(run, adapters, prepare)
+        except _Stop:  # nothing was paused: the rollout never noticed
+            stale = [StaleReplica(a.engine, a.url, self._stale[a.engine]) for a in adapters if a.engine in self._stale]
+            raise SyncError(version, run.failures, [], stale) from None
+        # Rank info is fixed for a server's lifetime: its re-read inside the pause (a server restarted since the
+        # read above) overlaps abort..begin; the decision is taken after begin.
+        run.paused_at = time.perf_counter()
         probing = asyncio.ensure_future(self._probe_all(adapters))
         stage = "prepare"
         resumed: list[P2PReplicaAdapter] = []
         try:
             try:
-                await self._prepare(run, adapters, probing)
+                await self._prepare(run, adapters, probing, prepare)
             except _Stop:
                 pass
             if not run.failures:
@@ -343,6 +362,7 @@ class SyncLifecycle:
         recovered = [a.engine for a in resumed if a.engine in was_stale]
         for engine in recovered:
             logger.info("p2p: engine %d was rewritten completely and resumed", engine)
+        run.phases["paused"] = time.perf_counter() - run.paused_at
         run.phases["total"] = time.perf_counter() - run.start
         run.phases["control_plane"] = run.phases["total"] - run.phases.get("push", 0.0)
         stale = [StaleReplica(a.engine, a.url, self._stale[a.engine]) for a in adapters if a.engine in self._stale]
@@ -357,12 +377,62 @@ class SyncLifecycle:
             engines_without_sessions=[a.engine for a in adapters if a.sessions_supported is False],
             retried_targets=run.retried,
             recovered_engines=recovered,
+            steps_in_pause=list(run.steps_in_pause),
+            replanned_in_pause=run.replanned_in_pause,
         )
+
+    # ---- before the pause: everything that does not need it -----------------------------------------------------
+
+    async def _before_pause(self, run: _Run, adapters: list[P2PReplicaAdapter], prepare: Prepare | None) -> None:
+        """Connect (rank info and server args: cached, re-read) and `prepare` (plan, assignments, the trainer's
+        replicas, programs, slots, first-push check) while the rollout still generates; raises _Stop when
+        either failed (nothing was paused)."""
+        t0 = time.perf_counter()
+        run.connection, run.reconnected, found = self._assemble(adapters, await self._probe_all(adapters))
+        run.phases["connect"] = time.perf_counter() - t0
+        run.stop_on(found)
+        if prepare is not None:
+            await self._run_prepare(run, prepare, "prepare")
+
+    async def _run_prepare(self, run: _Run, prepare: Prepare, name: str) -> None:
+        t0 = time.perf_counter()
+        try:
+            await prepare(run.connection)
+        except Exception as exc:
+            run.stop_on([ReplicaFailure(name, None, None, exc)])
+        finally:
+            run.phases[name] = time.perf_counter() - t0
+
+    async def _recheck_in_pause(
+        self, run: _Run, adapters: list[P2PReplicaAdapter], probing: asyncio.Future, prepare: Prepare | None
+    ) -> None:
+        """The rank info re-read inside the pause (overlapped with abort..begin). Unchanged (the steady state and
+        the first sync alike): nothing to do. Changed (a server restarted after the read before the pause):
+        re-plan here, logged with the reason."""
+        run.steps_in_pause.append("recheck")
+        t0 = time.perf_counter()
+        connection, changed, found = self._assemble(adapters, await probing, step="recheck")
+        run.phases["recheck"] = time.perf_counter() - t0
+        run.stop_on(found)
+        if not changed:
+            return
+        run.connection, run.reconnected = connection, True
+        run.replanned_in_pause = (
+            f"the rank info of engine(s) {sorted(connection.changed_engines)} changed between the read before the "
+            "pause and the re-read inside it (a restarted server?)"
+        )
+        logger.warning("p2p: re-planning inside the pause: %s", run.replanned_in_pause)
+        if prepare is not None:
+            run.steps_in_pause.append("replan_in_pause")
+            await self._run_prepare(run, prepare, "replan_in_pause")
 
     # ---- before the push: all or nothing -----------------------------------------------------------------------
 
-    async def _prepare(self, run: _Run, adapters: list[P2PReplicaAdapter], probing: asyncio.Future) -> None:
-        """abort .. connect; raises _Stop when a step failed on any replica (nothing was written)."""
+    async def _prepare(
+        self, run: _Run, adapters: list[P2PReplicaAdapter], probing: asyncio.Future, prepare: Prepare | None = None
+    ) -> None:
+        """abort .. begin, then the rank-info recheck; raises _Stop when a step failed on any replica (nothing
+        was written)."""
         run.stop_on(await run.step("abort", adapters, lambda a: a.pause()))
         if self.frees_kv:
             run.released = list(adapters)
@@ -374,10 +444,7 @@ class SyncLifecycle:
         found = await run.step("begin", adapters, self._begin)
         run.begin_failed = {f.engine for f in found}
         run.stop_on(found)
-        t0 = time.perf_counter()
-        run.connection, run.reconnected, found = self._assemble(adapters, await probing)
-        run.phases["connect"] = time.perf_counter() - t0  # what the overlapped probe left on the path
-        run.stop_on(found)
+        await self._recheck_in_pause(run, adapters, probing, prepare)
 
     async def _begin(self, adapter: P2PReplicaAdapter) -> None:
         """Begin the session; first end one an earlier sync could not. A begin that fails may still have opened
@@ -401,6 +468,7 @@ class SyncLifecycle:
                 "check_weight_update_equal randomised its weights (reset_tensors) and the sync failed before "
                 "rewriting them"
             )
+        run.steps_in_pause.append("restore")
         t0 = time.perf_counter()
         chains = [
             self._restore_one(run, a, a in run.released, resume=a.engine not in self._stale)
@@ -443,6 +511,7 @@ class SyncLifecycle:
         connection = run.connection
         failures: list[ReplicaFailure] = []
         unknown: set[TargetRank] = set()
+        run.steps_in_pause.append("push")
         t0 = time.perf_counter()
         try:
             run.metrics = dict(await push(connection) or {})
@@ -477,6 +546,7 @@ class SyncLifecycle:
                 ", ".join(map(str, retry.targets)),
             )
             run.retried += retry.targets
+            run.steps_in_pause.append(f"push_retry_{attempt}")
             try:
                 metrics = dict(await push(retry) or {})
                 unknown -= set(retry.targets)
@@ -621,6 +691,7 @@ class SyncLifecycle:
         return await self._restore_one(run, adapter, adapter in run.released, resume=False)
 
     async def _timed_check(self, run: _Run, name: str, check, adapters) -> list[ReplicaFailure]:
+        run.steps_in_pause.append(name)
         t0 = time.perf_counter()
         try:
             await check(adapters)
@@ -655,11 +726,16 @@ class _Run:
         self.unprepared: set[int] = set()  # restarted engines whose abort/release/begin before a re-push failed
         self.reasons: dict[int, str] = {}  # engine -> why the push left its bytes unknown
         self.stale: dict[int, str] = {}  # engine -> why this sync leaves it paused
+        self.paused_at: float | None = None  # when the abort was sent (None: still before the pause)
+        self.steps_in_pause: list[str] = []  # the lifecycle's steps from the abort on, in order
+        self.replanned_in_pause: str | None = None  # why the plan was redone inside the pause (None: it was not)
 
     async def step(self, name: str, targets: Sequence[P2PReplicaAdapter], action) -> list[ReplicaFailure]:
         """`action` on every target in parallel; the failures, each naming its replica."""
         if not targets:
             return []
+        if self.paused_at is not None:
+            self.steps_in_pause.append(name)
         t0 = time.perf_counter()
         results = await asyncio.gather(*(action(a) for a in targets), return_exceptions=True)
         self.phases[name] = time.perf_counter() - t0

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import torch
 
 from verl_p2p.errors import TransferError, UnsupportedLayoutError
+from verl_p2p.planning.plan import split_by_bytes
 from verl_p2p.planning.targets import RemoteRankInfo, TargetRank
 from verl_p2p.trainer.coverage import check_coverage
 from verl_p2p.trainer.stream_checks import StreamRefusedError, check_fp8_export, refusal
@@ -49,6 +50,7 @@ class ParamPlanLike(Protocol):
 class StagerLike(Protocol):
     def offer(self, hf_name: str, tensor: torch.Tensor) -> list[str]: ...
     def take(self, param_name: str) -> dict[str, torch.Tensor]: ...
+    def release(self, param_name: str) -> None: ...
     def pending(self) -> Mapping[str, set[str]]: ...
     def held_bytes(self) -> int: ...
 
@@ -69,11 +71,14 @@ class ReplicaLike(Protocol):
 
 @dataclass(frozen=True)
 class PushTarget:
-    """One rollout rank this source writes to, the replica producing its bytes, and what it published."""
+    """One rollout rank this source writes to, the replica producing its bytes, and what it published.
+    `part` (index, count): this source writes only that part of the rank's parameters (`split_by_bytes`);
+    the other parts come from other sources holding the same bytes."""
 
     target: TargetRank
     replica: ReplicaLike
     remote: RemoteRankInfo
+    part: tuple[int, int] = (0, 1)
 
 
 @dataclass
@@ -148,11 +153,17 @@ class _Group:
         self.targets = targets
         params: Mapping[str, ParamPlanLike] = replica.plan.params
         self.params = share.select(params) if share is not None else params
+        index, count = targets[0].part
+        if count > 1:  # this source's part of the stage's parameters
+            mine = split_by_bytes(((n, int(p.nbytes)) for n, p in self.params.items()), count)[index]
+            self.params = {n: p for n, p in self.params.items() if n in mine}
         self.stager = replica.stager()
         self.done: set[str] = set()
 
     def describe(self) -> str:
-        return ", ".join(f"engine {t.target.engine} rank {t.target.rank}" for t in self.targets)
+        index, count = self.targets[0].part
+        part = f" (part {index + 1} of {count})" if count > 1 else ""
+        return ", ".join(f"engine {t.target.engine} rank {t.target.rank}" for t in self.targets) + part
 
     def without_feeds(self) -> list[str]:
         """Params no HF tensor feeds (only constant fills): ready from the start."""
@@ -297,10 +308,10 @@ def expected_params(groups: Sequence[_Group]) -> dict[TargetRank, dict[str, tupl
 
 
 def group_targets(targets: Sequence[PushTarget], share: StageShare | None = None) -> list[_Group]:
-    """One group per distinct replica key (first replica of a key is used for all its targets)."""
+    """One group per distinct replica key and part (first replica of a key is used for all its targets)."""
     by_key: dict[Hashable, list[PushTarget]] = {}
     for t in targets:
-        by_key.setdefault(t.replica.key, []).append(t)
+        by_key.setdefault((t.replica.key, t.part), []).append(t)
     seen = set()
     for t in targets:
         if t.target in seen:
@@ -405,7 +416,13 @@ def push(
                 if hf_name not in planned:  # allowed and taken by nobody: dropped
                     continue
             pusher.track(tensor)
-            ready = [(g, p) for g in groups for p in g.stager.offer(hf_name, tensor) if p in g.params]
+            ready = []
+            for g in groups:
+                for p in g.stager.offer(hf_name, tensor):
+                    if p in g.params:
+                        ready.append((g, p))
+                    else:  # another source's part: drop the inputs only it needed
+                        g.stager.release(p)
             metrics.seconds_stage += time.perf_counter() - t1
             del item, tensor
             for group, param in ready:

@@ -3,7 +3,8 @@
 Once per process: the Megatron engine (from the owning verl worker) and the stage exporter; on the first
 assignment with targets, the Mooncake transport and the two registered transfer buffers (idle ranks only run
 the export's collectives and never allocate them). Per plan generation: one RankReplica per distinct target
-layout (cached by key, so an unchanged layout is never rebuilt) and a Writer for this rank's targets.
+layout (cached by key, so an unchanged layout is never rebuilt), its compiled programs (compiled and checked
+against SGLang's loader at apply, not during the push) and a Writer for this rank's targets.
 Every import of the heavy parts (Megatron-Bridge, SGLang model classes, Mooncake) happens here, lazily.
 """
 
@@ -98,7 +99,10 @@ class SourceSession:
                 self._open_transport()
             for target in assignment.targets:
                 replica = self._replica(assignment.server_infos[target.engine], assignment.layouts[target])
-                targets.append(PushTarget(target, self._executor(replica), assignment.rank_infos[target]))
+                part = assignment.parts.get(target, (0, 1))
+                targets.append(PushTarget(target, self._executor(replica), assignment.rank_infos[target], part))
+            self._prepare_executors(targets)
+            self._open_connections(targets)
         except Exception as exc:  # reported at push, by the go/no-go (see the docstring)
             self.apply_error, targets = exc, []
             logger.error(
@@ -108,10 +112,6 @@ class SourceSession:
                 type(exc).__name__,
                 exc,
             )
-        if self.config.verify_first_push:
-            for executor in {id(t.replica): t.replica for t in targets}.values():
-                if hasattr(executor, "verify_next_push"):
-                    executor.verify_next_push()  # the first push of this plan generation
         if self.writer is not None:
             self.writer.close()
         self.writer = (
@@ -130,6 +130,33 @@ class SourceSession:
         except Exception as exc:
             self.share = None
             self.apply_error = self.apply_error or exc
+
+    def _prepare_executors(self, targets: list[Any]) -> None:
+        """Compile every program this generation's push runs and (`verify_first_push`) check each against SGLang's
+        loader on synthetic tensors into scratch memory, now: `apply` runs before the rollout is paused (the
+        manager path), so the push holds the rollout only for its writes."""
+        for executor in {id(t.replica): t.replica for t in targets}.values():
+            if hasattr(executor, "prepare_push"):
+                executor.prepare_push(
+                    self.buffers.slot_bytes, verify=self.config.verify_first_push, device=_hf_device()
+                )
+
+    def _open_connections(self, targets: list[Any]) -> None:
+        """Open the Mooncake segment and connection of every target now, with a read of a few bytes of one of its
+        parameters into a slot (a read changes nothing on the rollout, so it may run while it generates): the
+        first push does not pay the handshakes inside the pause. A failure is only logged: the push reports it."""
+        read = getattr(self.transport, "read", None)
+        if read is None or self.buffers is None or not self.buffers.slots or not self.buffers.slots[0].settled:
+            return  # (a write of a failed push may still read that slot)
+        local = self.buffers.slots[0].addr
+        for t in targets:
+            param = next((p for p in t.remote.params.values() if p.nbytes > 0), None)
+            if param is None:
+                continue
+            try:
+                read(t.remote.session_id, [local], [param.address], [min(param.nbytes, 64)])
+            except Exception as exc:  # noqa: BLE001 - the push names a target it cannot reach
+                logger.warning("p2p: could not open the connection to %s before the push: %s", t.target, exc)
 
     def _refuse_without_sessions(self, target: Any, server_info: Any, layout: Any) -> None:
         """A rollout without weight-update sessions never runs SGLang's post-load processing after our writes:

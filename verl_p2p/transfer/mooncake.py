@@ -139,5 +139,18 @@ class MooncakeTransport:
             "the peer is gone, frozen or unreachable",
         )
 
+    def read(
+        self, session_id: str, local_addrs: Sequence[int], remote_addrs: Sequence[int], lengths: Sequence[int]
+    ) -> None:
+        """Read remote ranges into registered local memory (opens the session's segment and connection)."""
+        if not lengths:
+            return
+        rc = self._engine.batch_transfer_sync_read(session_id, list(local_addrs), list(remote_addrs), list(lengths))
+        check_rc(
+            rc,
+            f"Mooncake batch read of {len(lengths)} ranges ({sum(lengths)} bytes) from session {session_id}",
+            "the peer is gone, frozen or unreachable",
+        )
+
     def __repr__(self) -> str:
         return f"MooncakeTransport(session_id={self._session_id!r}, protocol={self.protocol!r})"

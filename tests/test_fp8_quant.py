@@ -238,3 +238,19 @@ def test_exact_division_decides_a_tie():
     assert_matches_reference(x)
     q, _ = quantize_block_fp8(x)
     assert float(q[0, 1].to(torch.float32)) == 1.75
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU host)")
+def test_cuda_gives_the_cpu_reference_bytes():
+    """The device path (same function, batched, on the GPU) writes exactly the CPU reference's bytes."""
+    gen = torch.Generator().manual_seed(5)
+    tensors = [
+        torch.randn(s, generator=gen) * 10.0 ** torch.randint(-6, 4, (1,), generator=gen)
+        for s in [(2048, 768)] * 8 + [(768, 2048)] * 8 + [(200, 300), (129, 4097), (1, 1)]
+    ]
+    tensors += [t.to(torch.bfloat16) for t in tensors[:4]]
+    tensors.append(torch.zeros(256, 256))
+    on_gpu = quantize_many([t.cuda() for t in tensors])
+    for t, (q, s) in zip(tensors, on_gpu, strict=True):
+        q1, s1 = quantize_block_fp8(t)
+        assert torch.equal(q.cpu().view(torch.uint8), q1.view(torch.uint8)) and torch.equal(s.cpu(), s1)

@@ -7,6 +7,8 @@ produce. And the quantize step itself: FP8 weights and their scales, in stream o
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -20,7 +22,8 @@ from verl_p2p.trainer.fp8_stream import quantized_stream
 
 install_cpu_stubs()
 
-from verl_p2p.replica import RankReplica, WritePlanError  # noqa: E402
+from verl_p2p.replica import RankReplica, WritePlanError, plan_cache  # noqa: E402
+from verl_p2p.replica.plan_cache import plan_from_json, plan_to_json  # noqa: E402
 
 ARGS = {"tp_size": 2, "ep_size": 2, "dtype": "bfloat16", "device": "cpu"}
 WIDE = dict(hidden_size=256, head_dim=128, moe_intermediate_size=512, intermediate_size=512)
@@ -76,6 +79,7 @@ def test_block_that_does_not_divide_the_rank_shard_is_refused():
     """hidden 64: the qkv shards (32/16/16 rows at TP2) are not multiples of 128; SGLang's own rule decides."""
     with pytest.raises(UnsupportedLayoutError, match=r"not divisible by.*SGLang's rule.*Fix: a tp_size"):
         _build(DEFAULT_QUANTIZATION_CONFIG, hidden_size=64, head_dim=16, moe_intermediate_size=32)
+    assert torch.get_default_dtype() == torch.float32  # the failed build left torch's default dtype alone
 
 
 def test_rocm_fnuz_is_refused(monkeypatch):
@@ -102,6 +106,9 @@ def test_a_block_fp8_rollout_builds_with_fp8_parameters():
     assert params["model.layers.0.self_attn.qkv_proj.weight_scale_inv"].feeds == tuple(
         f"model.layers.0.self_attn.{x}_proj.weight_scale_inv" for x in "qkv"
     )
+    # the plan cache stores and restores FP8 plans as they are; the quant-config module is part of its code key
+    assert plan_from_json(json.loads(json.dumps(plan_to_json(replica.plan)))) == replica.plan
+    assert "fp8.py" in plan_cache._CAPTURE_CODE
 
 
 def test_a_checkpoint_without_the_scales_is_refused():

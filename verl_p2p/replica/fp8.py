@@ -85,11 +85,16 @@ def rank_quant_config(model_config: Any, load_config: Any) -> Any:
 @contextmanager
 def block_rule_refusal(layout: Any) -> Iterator[None]:
     """SGLang's own rule, raised while it creates a rank's FP8 weights: every TP shard of a block-quantized
-    projection is a multiple of the block. The rollout cannot start with such a layout either; name the fix."""
+    projection is a multiple of the block. The rollout cannot start with such a layout either; name the fix.
+    Also puts torch's default dtype back when the build fails (SGLang's `set_default_torch_dtype` does not)."""
+    import torch
+
+    default_dtype = torch.get_default_dtype()
     try:
         yield
-    except ValueError as e:
-        if "is not divisible by" not in str(e) or "block" not in str(e):
+    except BaseException as e:
+        torch.set_default_dtype(default_dtype)
+        if not isinstance(e, ValueError) or "is not divisible by" not in str(e) or "block" not in str(e):
             raise
         raise UnsupportedLayoutError(
             f"block-FP8 rollout rank {layout}: {e} (SGLang's rule: every TP shard of a 128x128 block-quantized "

@@ -264,7 +264,7 @@ def build_meta_model(ctx: RankContext) -> torch.nn.Module:
         get_model_architecture(ctx.model_config)
         load_config = LoadConfig(load_format="auto", tp_rank=ctx.layout.tp_rank)
         quant_config = rank_quant_config(ctx.model_config, load_config)
-        with set_default_torch_dtype(ctx.model_config.dtype), torch.device("meta"), block_rule_refusal(ctx.layout):
+        with block_rule_refusal(ctx.layout), set_default_torch_dtype(ctx.model_config.dtype), torch.device("meta"):
             model = _initialize_model(ctx.model_config, load_config, quant_config)
     return model.eval()
 

@@ -31,7 +31,7 @@ from verl_p2p.replica.plan import HFSpecs, ParamPlan, RecordedWrite, SourceView,
 
 logger = logging.getLogger(__name__)
 
-_CAPTURE_CODE = ("plan.py", "plan_cache.py", "rank_context.py")
+_CAPTURE_CODE = ("plan.py", "plan_cache.py", "rank_context.py", "fp8.py")  # fp8: the rank's quant config
 _code_digest: str | None = None
 
 

@@ -1,7 +1,8 @@
 """check_weight_update_equal on an FP8 rollout, bit for bit, on the loopback.
 
 One loopback engine (TP2/EP2, real SGLang ranks loading the trainer's block-FP8 checkpoint with SGLang's Fp8
-methods) and the production trainer side: SourceSession (replica built with the checkpoint's quant config,
+methods) and the production trainer side, whose own model path is the bf16 checkpoint (`rollout_model_path`
+names the FP8 copy the rollout serves): SourceSession (replica built with the checkpoint's quant config,
 compiled executor checked by verify_first_push, the quantize step, real Mooncake tcp writes), driven by
 SyncLifecycle with check_weight_update_equal. The trainer streams *bf16* tensors; the rollout's snapshot is
 the FP8 checkpoint it loaded. The compare passes with allow_quant_error off; a trainer weight that changed
@@ -41,14 +42,14 @@ def fp8_engine(tmp_path_factory):
     root = tmp_path_factory.mktemp("fp8_checker")
     bf16 = write_tiny_checkpoint(root / "bf16", "qwen3_moe", id_encoded=False, dtype=torch.bfloat16, **SHAPE)
     fp8 = quantize_checkpoint(bf16, root / "fp8")
-    cfg = json.loads((fp8 / "config.json").read_text())
+    cfg = json.loads((bf16 / "config.json").read_text())  # the trainer's model path: bf16, no quantization_config
     tensors = load_file(str(bf16 / "model.safetensors"))
     hf = [(n, tensors[n]) for n, _ in hf_tensor_shapes(cfg)]
     engine = LoopbackEngine(EngineSpec(tp=2, ep=2, dtype="bfloat16", rank_timeout_s=60), str(fp8))
     engine.start()
     try:
         engine.wait_ready()
-        yield engine, cfg, fp8, hf
+        yield engine, cfg, bf16, fp8, hf
     finally:
         engine.stop()
 
@@ -86,8 +87,8 @@ def test_fp8_sync_passes_the_bitwise_weight_check_and_a_changed_weight_fails_it(
     from verl_p2p.trainer import verl_engine
     from verl_p2p.trainer.source import SourceSession
 
-    engine, cfg, path, hf = fp8_engine
-    trainer = EngineStandIn(cfg, path, hf)
+    engine, cfg, bf16, fp8, hf = fp8_engine
+    trainer = EngineStandIn(cfg, bf16, hf)
     monkeypatch.setattr(verl_engine, "find_megatron_engine", lambda owner: trainer)
     monkeypatch.setattr(verl_engine, "engine_exporter", lambda eng, mode: SimpleNamespace(mode=mode))
     monkeypatch.setattr(verl_engine, "export_engine_stage", lambda exporter, eng: eng.stream())
@@ -98,6 +99,7 @@ def test_fp8_sync_passes_the_bitwise_weight_check_and_a_changed_weight_fails_it(
         release_buffers_on_save=False,
         check_weight_update_equal=True,
         verify_first_push=True,
+        rollout_model_path=str(fp8),  # the rollout serves the FP8 copy; the trainer's own path is bf16
         http_timeout=60.0,
         p2p_transfer_timeout=30.0,
     )

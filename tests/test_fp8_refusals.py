@@ -155,3 +155,13 @@ def test_quantize_step_refuses_fp8_weights_without_block_scales():
         quantized_stream(iter(()), planned)  # refused at the call, before anything streams
     with pytest.raises(QuantizationError, match="with scales .*=None"):
         quantized_stream(iter(()), {W: ((256, 130), torch.float8_e4m3fn)})
+
+
+def test_rollout_model_path_option_is_validated():
+    from verl_p2p.config import P2PConfig
+    from verl_p2p.errors import P2PConfigError
+
+    assert P2PConfig.from_mapping({"rollout_model_path": "/ckpt/fp8"}).rollout_model_path == "/ckpt/fp8"
+    assert P2PConfig().rollout_model_path is None
+    with pytest.raises(P2PConfigError, match=r"rollout_model_path='' \(an HF checkpoint directory, or null\)"):
+        P2PConfig.from_mapping({"rollout_model_path": ""})

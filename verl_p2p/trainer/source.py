@@ -15,7 +15,7 @@ from typing import Any
 
 from verl_p2p.backend.topology import Assignment, layout_key
 from verl_p2p.config import P2PConfig
-from verl_p2p.errors import P2PError
+from verl_p2p.errors import P2PConfigError, P2PError
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ class SourceSession:
             from verl_p2p.replica.model_class import post_load_hook, refuse_without_sessions
         except ImportError as exc:
             raise _NO_SGLANG(exc) from exc
-        hook = post_load_hook(self.engine.model_config.hf_config, server_info, layout)
+        hook = post_load_hook(self._rollout_hf_config(), server_info, layout)
         if hook is not None:
             refuse_without_sessions(hook, target.engine, server_info)
 
@@ -181,9 +181,8 @@ class SourceSession:
                 from verl_p2p.replica import PlanCache, RankReplica
             except ImportError as exc:
                 raise _NO_SGLANG(exc) from exc
-            model_config = self.engine.model_config
             self._replicas[key] = RankReplica.build(
-                model_config.hf_config,
+                self._rollout_hf_config(),
                 server_info,
                 layout,
                 self._specs(),
@@ -204,8 +203,28 @@ class SourceSession:
         if self._hf_specs is None:
             from verl_p2p.trainer.hf_specs import hf_specs_from_checkpoint
 
-            self._hf_specs = hf_specs_from_checkpoint(self.engine.model_config.local_path)
+            self._hf_specs = hf_specs_from_checkpoint(
+                self.config.rollout_model_path or self.engine.model_config.local_path
+            )
         return self._hf_specs
+
+    def _rollout_hf_config(self) -> Any:
+        """The HF config of the checkpoint the rollout serves: `rollout_model_path`'s (FP8 rollouts), else the
+        trainer's own."""
+        path = self.config.rollout_model_path
+        if not path:
+            return self.engine.model_config.hf_config
+        import json
+        import os
+
+        config_file = os.path.join(path, "config.json")
+        if not os.path.isfile(config_file):
+            raise P2PConfigError(
+                f"rollout_model_path={path!r} has no config.json: point it at the HF checkpoint directory the "
+                "rollout was started from (readable on the trainer nodes)"
+            )
+        with open(config_file) as f:
+            return json.load(f)
 
     # ---- per sync ------------------------------------------------------------------------------------------
 

@@ -62,7 +62,8 @@ def quantize_checkpoint(
         tensors.update(load_file(str(shard)))
     hf_config = json.loads((src / "config.json").read_text())
     dst = write_fp8_checkpoint(dst, hf_config, tensors, quantization_config)
-    for extra in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
-        if (src / extra).exists():
-            (dst / extra).write_bytes((src / extra).read_bytes())
+    for extra in src.iterdir():  # tokenizer, generation config, ...: everything but the weights and their index
+        if extra.is_file() and extra.name != "config.json" and not extra.name.startswith("model.safetensors"):
+            if not extra.name.endswith(".safetensors"):
+                (dst / extra.name).write_bytes(extra.read_bytes())
     return dst

@@ -345,3 +345,17 @@ def test_rank_state_is_chosen_by_features_not_by_the_version_string(monkeypatch)
     assert RankStateFeatures(True, True, False, True).adapter_kind("0.5.21") == "runtime_context"
     with pytest.raises(UnsupportedSGLangVersionError, match="record_fields"):
         RankStateFeatures(True, True, True, False).adapter_kind("0.5.22")
+
+
+def test_quant_imports_only_torch():
+    """quant/ is arithmetic: torch and the pure standard library, `verl_p2p.errors` and itself; no SGLang, no I/O."""
+    problems = []
+    known = modules()
+    for path in (PACKAGE / "quant").glob("*.py"):
+        for name in imported_modules(path, known):
+            if name.startswith("verl_p2p."):
+                if not name.startswith(("verl_p2p.quant", "verl_p2p.errors")):
+                    problems.append(f"{path.name} imports {name}")
+            elif name.split(".")[0] not in PURE_STDLIB | {"torch"}:
+                problems.append(f"{path.name} imports {name}")
+    assert not problems, problems

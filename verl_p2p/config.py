@@ -53,6 +53,7 @@ class P2PConfig:
     plan_cache_dir: str | None = None  # captured write plans on disk; None: ~/.cache/verl_p2p/plans, "": no cache
     unused_hf_tensors_allowed: tuple[str, ...] = ()  # fnmatch patterns of streamed HF names no rollout param takes
     unwritten_params_allowed: tuple[str, ...] = ()  # fnmatch patterns of published rollout params no sync writes
+    rollout_model_path: str | None = None  # the rollout's HF checkpoint when it is not the trainer's (FP8 rollouts)
     extra: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -114,6 +115,10 @@ class P2PConfig:
                 "host-memory writes arrived corrupted on an H200; use staging=pinned or auto over tcp, or "
                 "protocol=rdma)"
             )
+        if self.rollout_model_path is not None and not (
+            isinstance(self.rollout_model_path, str) and self.rollout_model_path
+        ):
+            errors.append(f"rollout_model_path={self.rollout_model_path!r} (an HF checkpoint directory, or null)")
         if self.plan_cache_dir is not None and not isinstance(self.plan_cache_dir, str):
             errors.append(f"plan_cache_dir={self.plan_cache_dir!r} (a directory path, or '' to disable the plan cache)")
         for key in _NAME_LISTS:

@@ -76,3 +76,8 @@ def unknown_targets_of(error: BaseException) -> frozenset | None:
 
 class MalformedAnswerError(P2PError, ValueError):
     """A rollout server's answer (server info, rank info) lacks the documented shape or holds impossible values."""
+
+
+class QuantizationError(P2PError, ValueError):
+    """A tensor the rollout stores as FP8 cannot be quantized (NaN/inf, wrong rank or dtype), or a checkpoint's
+    quantization is one the trainer's quantizer cannot reproduce byte for byte."""

@@ -7,7 +7,9 @@ buffer and compared bit for bit with the witness parameter, then produced again 
 (load_chunk) and compared; the compiled executor (`CompiledReplica`) does the same, whole and chunked;
 finally every HF tensor must land on some rank. A job with `"strided_feeds": true` also feeds every parameter
 non-contiguous views of its HF tensors (transposed, or every other element of a wider tensor: what an export may
-yield) to both executors, whole and chunked, and compares the same way.
+yield) to both executors, whole and chunked, and compares the same way. A job with `bf16_source` (an FP8
+rollout) takes its feeds from that bf16 checkpoint
+through the trainer's quantize step (`trainer/fp8_stream.py`), not from the FP8 files.
 """
 
 import json
@@ -62,6 +64,14 @@ def _compare_job(job: dict, world: int, out: str) -> dict:
     cfg = json.load(open(os.path.join(job["model_path"], "config.json")))
     tensors = load_file(os.path.join(job["model_path"], "model.safetensors"))
     specs = {n: (tuple(s), tensors[n].dtype) for n, s in hf_tensor_shapes(cfg)}
+    if "bf16_source" in job:  # FP8 rollout: the feeds are the trainer's bf16 tensors through the quantize step
+        from verl_p2p.quant.block_fp8 import scale_name
+        from verl_p2p.trainer.fp8_stream import quantized_stream
+
+        scales = [scale_name(n) for n in specs if scale_name(n) in tensors]
+        specs.update({n: (tuple(tensors[n].shape), torch.float32) for n in scales})
+        source = load_file(os.path.join(job["bf16_source"], "model.safetensors"))
+        tensors = dict(quantized_stream(source.items(), specs))
     problems, plans, checked, chunked, compiled, compiled_chunked, fallbacks = [], [], 0, 0, 0, 0, []
     strided_checked = 0
     for rank in range(world):

@@ -371,6 +371,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--slots", default=None, help="conversion bench slot kinds, comma list of gpu,pinned,host")
     parser.add_argument("--no-stage", action="store_true", help="conversion bench: skip the push-without-wire runs")
+    parser.add_argument(
+        "--fp8",
+        action="store_true",
+        help="conversion bench: also FP8 targets (128x128 block FP8, the quantize step included) beside bf16",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="show third-party output instead of logging it")
     args = parser.parse_args(argv)
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -394,6 +399,7 @@ def _main(args: argparse.Namespace, argv: list[str]) -> int:
             verify=not args.no_verify,
             out_path=args.out,
             argv=argv,
+            fp8=args.fp8,
         )
         return 0
     run_bench(

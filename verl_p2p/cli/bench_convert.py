@@ -11,7 +11,10 @@ of transfer slot (GPU memory, pinned host memory; plain host memory on a CPU hos
   executor, slots, flushes, CUDA fences, write submission) into a transport that discards the writes.
 
 Both are per source, for target bytes (what lands on the rollout ranks). The compiled/reference ratio
-is given per slot kind. Every compiled byte is checked against the reference executor first.
+is given per slot kind. Every compiled byte is checked against the reference executor first. `--fp8` adds the
+same runs for a rollout serving the model's 128x128 block-FP8 checkpoint (`runs` rows with weights "fp8"):
+there the HF tensors are still bf16 and each conversion includes the quantize step (`trainer/fp8_stream.py`),
+timed, before the executor.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ class ConvertResult:
     target_bytes: int
     convert_seconds: list[float]
     stage_seconds: list[float]
+    weights: str = "bf16"  # "fp8": 128x128 block-FP8 targets, the quantize step of the bf16 HF tensors included
 
     @property
     def convert_gbps(self) -> float:
@@ -95,14 +99,17 @@ def _slots(kind: str, slot_bytes: int, device: torch.device) -> list[torch.Tenso
     return [torch.empty(slot_bytes, dtype=torch.uint8, pin_memory=kind == "pinned") for _ in range(2)]
 
 
-def convert_once(executors: Sequence, hf: dict, slots: list[torch.Tensor], device: torch.device) -> float:
-    """Every parameter of every executor's rank into the two slots in turn; seconds until the device is done."""
+def convert_once(executors: Sequence, hf: dict, slots: list[torch.Tensor], device: torch.device, prepare=None) -> float:
+    """Every parameter of every executor's rank into the two slots in turn; seconds until the device is done.
+    `prepare` (FP8 targets: the quantize step) turns the HF tensors into the executors' feeds, timed too."""
     from verl_p2p.transfer.buffers import ALIGN
 
     slot_bytes = slots[0].numel()
     which, fill = 0, 0
     _sync(device)
     t0 = time.perf_counter()
+    if prepare is not None:
+        hf = prepare(hf)
     for ex in executors:
         for name, p in ex.plan.params.items():
             feeds = {n: hf[n] for n in p.feeds}
@@ -173,17 +180,14 @@ def run_convert_bench(
     verify: bool = True,
     out_path: str | None = None,
     argv: Sequence[str] | None = None,
+    fp8: bool = False,
 ) -> dict:
     """Run the conversion bench and return (and write to `out_path`) its numbers."""
     from verl_p2p.sandbox.cpu_stubs import install_cpu_stubs
 
     install_cpu_stubs()
     from verl_p2p.cli.bench_model import BenchShape, numel
-    from verl_p2p.planning.layout import layout_from_server_args
-    from verl_p2p.replica.compiled import CompiledReplica
-    from verl_p2p.replica.stream import RankReplica
     from verl_p2p.sandbox.tiny import hf_tensor_shapes
-    from verl_p2p.transfer.buffers import TransferBuffers
 
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
@@ -194,6 +198,92 @@ def run_convert_bench(
     cfg = shape.config()
     specs = {n: (tuple(s), torch.bfloat16) for n, s in hf_tensor_shapes(cfg)}
     server_args = {"tp_size": tp_size, "ep_size": ep_size, "dtype": "bfloat16"}
+    hf = hf_tensors(specs, dev)
+    model_bytes = sum(numel(s) * 2 for s, _ in specs.values())
+    if slot_kinds is None:
+        slot_kinds = ("gpu", "pinned") if dev.type == "cuda" else ("host",)
+    variants = [_variant_bf16(cfg, specs)] + ([_variant_fp8(cfg, specs)] if fp8 else [])
+    result = {
+        "command": " ".join(["verl-p2p", "bench", *(argv or [])]),
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "sglang": _sglang_version(),
+        "torch_threads": 1 if dev.type == "cpu" else torch.get_num_threads(),
+        "shape": asdict(shape),
+        "tp_size": tp_size,
+        "ep_size": ep_size,
+        "model_bytes": model_bytes,
+        "slot_bytes": slot_mb << 20,
+        "repeats": repeats,
+        "runs": [],
+        "goals": {"compiled_convert_gbps_gpu_slots": 200.0, "compiled_convert_gbps_pinned_slots": 40.0},
+    }
+    for weights, vcfg, vspecs, prepare in variants:
+        part = _run_variant(
+            weights,
+            vcfg,
+            vspecs,
+            prepare,
+            server_args,
+            hf,
+            dev,
+            tp_size,
+            slot_mb,
+            repeats,
+            executors,
+            slot_kinds,
+            stage,
+            verify,
+        )
+        runs = part.pop("runs")
+        result["runs"] += runs
+        if weights == "bf16":
+            result.update(part)
+        else:
+            result["fp8"] = part
+    print(format_convert_table(result))
+    if out_path:
+        with open(out_path, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+def _variant_bf16(cfg: dict, specs: dict) -> tuple:
+    return "bf16", cfg, specs, None
+
+
+def _variant_fp8(cfg: dict, specs: dict) -> tuple:
+    """FP8 targets: the rollout serves the trainer's 128x128 block-FP8 checkpoint of the same model; its tensor
+    list holds e4m3fn weights with fp32 block scales, and each conversion starts with the quantize step."""
+    from verl_p2p.quant.block_fp8 import BLOCK, BlockFp8Scheme, scale_name
+    from verl_p2p.trainer.fp8_checkpoint import DEFAULT_QUANTIZATION_CONFIG
+    from verl_p2p.trainer.fp8_stream import quantized_stream
+
+    qc = dict(DEFAULT_QUANTIZATION_CONFIG)
+    scheme = BlockFp8Scheme.from_quantization_config(qc)
+    fp8_specs = {}
+    for name, (shape, dtype) in specs.items():
+        if scheme.quantizes(name, shape):
+            fp8_specs[name] = (shape, torch.float8_e4m3fn)
+            fp8_specs[scale_name(name)] = (tuple(-(-d // b) for d, b in zip(shape, BLOCK, strict=True)), torch.float32)
+        else:
+            fp8_specs[name] = (shape, dtype)
+
+    def prepare(hf: dict) -> dict:
+        return dict(quantized_stream(hf.items(), fp8_specs))
+
+    return "fp8", {**cfg, "quantization_config": qc}, fp8_specs, prepare
+
+
+def _run_variant(
+    weights, cfg, specs, prepare, server_args, hf, dev, tp_size, slot_mb, repeats, executors, slot_kinds, stage, verify
+) -> dict:
+    """One target kind (bf16 or FP8): build, compile, verify, then convert (and stage) per slot kind."""
+    from verl_p2p.planning.layout import layout_from_server_args
+    from verl_p2p.replica.compiled import CompiledReplica
+    from verl_p2p.replica.stream import RankReplica
+    from verl_p2p.transfer.buffers import TransferBuffers
+
     t0 = time.perf_counter()
     references = [
         RankReplica.build(cfg, server_args, layout_from_server_args(server_args, r), specs) for r in range(tp_size)
@@ -209,12 +299,8 @@ def run_convert_bench(
                     ex.program(name, off // es, (off + n) // es)
     compile_s = time.perf_counter() - t0
     by_name = {"compiled": compiled, "sglang": references}
-    hf = hf_tensors(specs, dev)
-    model_bytes = sum(numel(s) * 2 for s, _ in specs.values())
     target_bytes = sum(r.plan.nbytes for r in references)
-    checked = check_exact(compiled, references, hf, dev) if verify else 0
-    if slot_kinds is None:
-        slot_kinds = ("gpu", "pinned") if dev.type == "cuda" else ("host",)
+    checked = check_exact(compiled, references, prepare(hf) if prepare else hf, dev) if verify else 0
     results = []
     threads = torch.get_num_threads()
     if dev.type == "cpu":
@@ -225,10 +311,10 @@ def run_convert_bench(
             staged: dict[str, list[float]] = {name: [] for name in executors}
             slots = _slots(kind, slot_mb << 20, dev)
             for name in executors:  # warm-up: allocator, first-touch pages, lazy imports
-                convert_once(by_name[name], hf, slots, dev)
+                convert_once(by_name[name], hf, slots, dev, prepare)
             for _ in range(repeats):  # executors side by side, so a noisy host hits both alike
                 for name in executors:
-                    conv[name].append(convert_once(by_name[name], hf, slots, dev))
+                    conv[name].append(convert_once(by_name[name], hf, slots, dev, prepare))
             del slots
             if stage:
                 slot_device = dev if kind == "gpu" else torch.device("cpu")
@@ -243,25 +329,17 @@ def run_convert_bench(
                             staged[name].append(stage_once(by_name[name], hf, buffers, dev))
                 finally:
                     buffers.release()
-            results += [ConvertResult(name, kind, target_bytes, conv[name], staged[name]) for name in executors]
+            results += [
+                ConvertResult(name, kind, target_bytes, conv[name], staged[name], weights) for name in executors
+            ]
     finally:
         torch.set_num_threads(threads)
     fallbacks = sorted({n for ex in compiled for n in ex.fallbacks})
     launches = sum(ex.program(n).launches for ex in compiled for n in ex.plan.params if n not in ex.fallbacks)
     copies = sum(ex.program(n).num_copies for ex in compiled for n in ex.plan.params if n not in ex.fallbacks)
-    result = {
-        "command": " ".join(["verl-p2p", "bench", *(argv or [])]),
-        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "sglang": _sglang_version(),
-        "torch_threads": 1 if dev.type == "cpu" else torch.get_num_threads(),
-        "shape": asdict(shape),
-        "tp_size": tp_size,
-        "ep_size": ep_size,
-        "model_bytes": model_bytes,
+    return {
+        "weights": weights,
         "target_bytes_per_source": target_bytes,
-        "slot_bytes": slot_mb << 20,
-        "repeats": repeats,
         "replica_build_seconds": build_s,
         "compile_seconds": compile_s,
         "compiled_fallback_params": fallbacks,
@@ -271,13 +349,7 @@ def run_convert_bench(
         "verified_params": checked,
         "runs": [r.to_dict() for r in results],
         "ratios": _ratios(results),
-        "goals": {"compiled_convert_gbps_gpu_slots": 200.0, "compiled_convert_gbps_pinned_slots": 40.0},
     }
-    print(format_convert_table(result))
-    if out_path:
-        with open(out_path, "w") as f:
-            json.dump(result, f, indent=2)
-    return result
 
 
 def _ratios(results: Sequence[ConvertResult]) -> dict:
@@ -312,17 +384,23 @@ def format_convert_table(r: dict) -> str:
         f"compiled: {r['compiled_copies']} copies in {r['compiled_launches']} batched calls, "
         f"{len(r['compiled_fallback_params'])} params on SGLang's loader; compile {r['compile_seconds']:.2f} s; "
         f"verified {r['verified_params']} params byte for byte",
-        "",
-        f"{'slots':<8} {'executor':<9} {'convert_gbps':>13} {'(best)':>8} {'stage_gbps':>11}",
     ]
+    if "fp8" in r:
+        f = r["fp8"]
+        head.append(
+            f"fp8 targets (128x128 block e4m3fn + fp32 scales, quantize step included): {f['params_per_source']} "
+            f"params, {f['target_bytes_per_source'] / gb:.2f} GB per source; verified {f['verified_params']} params"
+        )
+    head += ["", f"{'weights':<8} {'slots':<8} {'executor':<9} {'convert_gbps':>13} {'(best)':>8} {'stage_gbps':>11}"]
     rows = [
-        f"{x['slots']:<8} {x['executor']:<9} {x['convert_gbps']:>13.2f} {x['convert_gbps_best']:>8.2f} "
-        f"{x['stage_gbps']:>11.2f}"
+        f"{x['weights']:<8} {x['slots']:<8} {x['executor']:<9} {x['convert_gbps']:>13.2f} "
+        f"{x['convert_gbps_best']:>8.2f} {x['stage_gbps']:>11.2f}"
         for x in r["runs"]
     ]
     ratios = [
-        f"compiled/reference on {k} slots: convert {v['convert']:.1f}x"
+        f"{w} compiled/reference on {k} slots: convert {v['convert']:.1f}x"
         + (f", stage {v['stage']:.1f}x" if v["stage"] else "")
-        for k, v in r["ratios"].items()
+        for w, part in [("bf16", r), *([("fp8", r["fp8"])] if "fp8" in r else [])]
+        for k, v in part["ratios"].items()
     ]
     return "\n".join(head + rows + [""] + ratios)

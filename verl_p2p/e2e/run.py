@@ -14,6 +14,10 @@ generation are the rollout's own before any sync, set 1's are the fresh rollout'
    aimed at a Mooncake session that does not exist, as after a rollout restart), `paused_call` (control calls and
    a generation request sent while the rollout is paused for the sync: they must be answered, and the request must
    be served after the sync, with the new weights).
+`--fp8`: every rollout (the one under test and the fresh ones) starts from the 128x128 block-FP8 copy of its
+checkpoint that the trainer's quantizer writes (`trainer/fp8_checkpoint.py`), and the trainer, still bf16,
+names it in `rollout_model_path`: every check above then proves FP8 bytes (needs `--size gpu`, whose shapes
+are multiples of 128).
 Exit status 1 when any check failed.
 """
 
@@ -204,7 +208,7 @@ class Harness:
         from verl_p2p.sandbox.tiny import write_tiny_checkpoint
 
         args = self.args
-        self.dtype = "bfloat16" if args.rollout == "sglang" else "float32"
+        self.dtype = "bfloat16" if args.rollout == "sglang" or args.fp8 else "float32"  # SGLang's FP8: bf16 rest
         overrides = SIZES[args.size][self.arch]
         t0 = time.perf_counter()
         self.checkpoint = write_tiny_checkpoint(
@@ -215,6 +219,7 @@ class Harness:
             dtype=getattr(torch, self.dtype),
             **overrides,
         )
+        self.rollout_checkpoint = self._served(self.checkpoint)
         self.hostname = local_ip() if args.rollout == "sglang" else "127.0.0.1"
         self.config_fields = dict(
             protocol="tcp",
@@ -226,11 +231,15 @@ class Harness:
             executor=args.executor,
             verify_first_push=True,  # every plan generation's first push checked against SGLang's loader too
         )
-        self.rollout = self._rollout(f"{self.arch}-rollout", self.checkpoint, 2 * self.index).start()
+        if args.fp8:  # the rollouts serve block-FP8 copies; the trainer keeps its bf16 model path
+            self.config_fields["rollout_model_path"] = str(self.rollout_checkpoint)
+            self.info["fp8"] = True
+        self.rollout = self._rollout(f"{self.arch}-rollout", self.rollout_checkpoint, 2 * self.index).start()
         self.trainer = self._trainer()
         ready = await asyncio.to_thread(self.trainer.wait_ready)
         weights1 = await asyncio.to_thread(self.trainer.call, "save", (1, str(self.workdir / "weights1")))
-        self.fresh = self._rollout(f"{self.arch}-fresh-weights1", Path(weights1), 2 * self.index + 1).start()
+        weights1 = self._served(Path(weights1))
+        self.fresh = self._rollout(f"{self.arch}-fresh-weights1", weights1, 2 * self.index + 1).start()
         self.info["trainer_params"] = ready["params"]
         self.info["rollout_ready_s"] = await asyncio.to_thread(self.rollout.wait_ready)
         self.info["fresh_ready_s"] = await asyncio.to_thread(self.fresh.wait_ready)
@@ -251,6 +260,15 @@ class Harness:
         self.config = config
         adapter = P2PReplicaAdapter(0, self.rollout.url, bootstrap_url=self.rollout.bootstrap_url, config=config)
         self.lifecycle = SyncLifecycle([adapter], config, frees_kv=False)
+
+    def _served(self, checkpoint: Path) -> Path:
+        """The checkpoint a rollout starts from for these trainer weights: itself, or (--fp8) its 128x128
+        block-FP8 copy written by the trainer's quantizer (what p2p writes after the same weights)."""
+        if not self.args.fp8:
+            return checkpoint
+        from verl_p2p.trainer.fp8_checkpoint import quantize_checkpoint
+
+        return quantize_checkpoint(checkpoint, checkpoint.with_name(checkpoint.name + "-fp8"))
 
     async def _generate(self, rollout, client, timeout: float = 60) -> list[int] | None:
         return await rollout.generate(client, PROMPT, NEW_TOKENS, timeout)
@@ -571,6 +589,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bootstrap-port", type=int, default=26789)
     parser.add_argument("--mem-fraction", type=float, default=0.12)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--fp8",
+        action="store_true",
+        help="rollouts serve 128x128 block-FP8 copies of the trainer's checkpoints (needs --size gpu shapes)",
+    )
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--out", default=None, help="write the JSON report here")
     args = parser.parse_args(argv)
@@ -601,6 +624,7 @@ def main(argv: list[str] | None = None) -> int:
             "trainer_device": args.device,
             "staging": args.staging,
             "executor": args.executor,
+            "fp8": args.fp8,
             "seconds": round(time.perf_counter() - t0, 1),
             "passed": all(r.get("passed") for r in results.values()),
             "models": results,

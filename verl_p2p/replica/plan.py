@@ -267,12 +267,15 @@ def build_meta_model(ctx: RankContext) -> torch.nn.Module:
     from sglang.srt.model_loader.loader import _initialize_model
     from sglang.srt.model_loader.utils import get_model_architecture, set_default_torch_dtype
 
+    from verl_p2p.replica.fp8 import block_rule_refusal, rank_quant_config
+
     with ctx:
         # Importing model modules creates real tensors at module level: do it before entering meta.
         get_model_architecture(ctx.model_config)
         load_config = LoadConfig(load_format="auto", tp_rank=ctx.layout.tp_rank)
-        with set_default_torch_dtype(ctx.model_config.dtype), torch.device("meta"):
-            model = _initialize_model(ctx.model_config, load_config, None)
+        quant_config = rank_quant_config(ctx.model_config, load_config)
+        with block_rule_refusal(ctx.layout), set_default_torch_dtype(ctx.model_config.dtype), torch.device("meta"):
+            model = _initialize_model(ctx.model_config, load_config, quant_config)
     return model.eval()
 
 

@@ -330,13 +330,9 @@ def server_args_fingerprint(server_args: Mapping[str, Any]) -> str:
 
 
 def _check_model_level(server_args: Mapping[str, Any], hf: dict) -> None:
-    problems = []
-    quant = server_args.get("quantization") or hf.get("quantization_config")
-    if quant:
-        problems.append(
-            f"quantization {quant!r}: post-load weight processing runs on the rollout GPU and is not reproduced; "
-            "serve the rollout unquantized"
-        )
+    from verl_p2p.replica.fp8 import quantization_problems
+
+    problems = quantization_problems(server_args, hf)
     backend = str(server_args.get("moe_runner_backend") or "auto")
     if backend.startswith("flashinfer_trtllm") or backend == "flashinfer_mxfp4":
         problems.append(

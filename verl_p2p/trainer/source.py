@@ -16,7 +16,7 @@ from typing import Any
 
 from verl_p2p.backend.topology import Assignment
 from verl_p2p.config import P2PConfig
-from verl_p2p.errors import P2PError
+from verl_p2p.errors import P2PConfigError, P2PError
 
 logger = logging.getLogger(__name__)
 
@@ -165,7 +165,7 @@ class SourceSession:
             from verl_p2p.replica.model_class import post_load_hook, refuse_without_sessions
         except ImportError as exc:
             raise _NO_SGLANG(exc) from exc
-        hook = post_load_hook(self.engine.model_config.hf_config, server_info, layout)
+        hook = post_load_hook(self._rollout_hf_config(), server_info, layout)
         if hook is not None:
             refuse_without_sessions(hook, target.engine, server_info)
 
@@ -208,7 +208,7 @@ class SourceSession:
             from verl_p2p.replica import PlanCache, RankReplica, replica_key
         except ImportError as exc:
             raise _NO_SGLANG(exc) from exc
-        hf_config = self.engine.model_config.hf_config
+        hf_config = self._rollout_hf_config()  # the rollout's checkpoint (rollout_model_path: an FP8 copy)
         cache = PlanCache.from_option(self.config.plan_cache_dir)
         key = replica_key(hf_config, server_info, layout, self._specs(), cache)
         if key not in self._replicas:
@@ -231,8 +231,28 @@ class SourceSession:
         if self._hf_specs is None:
             from verl_p2p.trainer.hf_specs import hf_specs_from_checkpoint
 
-            self._hf_specs = hf_specs_from_checkpoint(self.engine.model_config.local_path)
+            self._hf_specs = hf_specs_from_checkpoint(
+                self.config.rollout_model_path or self.engine.model_config.local_path
+            )
         return self._hf_specs
+
+    def _rollout_hf_config(self) -> Any:
+        """The HF config of the checkpoint the rollout serves: `rollout_model_path`'s (FP8 rollouts), else the
+        trainer's own."""
+        path = self.config.rollout_model_path
+        if not path:
+            return self.engine.model_config.hf_config
+        import json
+        import os
+
+        config_file = os.path.join(path, "config.json")
+        if not os.path.isfile(config_file):
+            raise P2PConfigError(
+                f"rollout_model_path={path!r} has no config.json: point it at the HF checkpoint directory the "
+                "rollout was started from (readable on the trainer nodes)"
+            )
+        with open(config_file) as f:
+            return json.load(f)
 
     # ---- per sync ------------------------------------------------------------------------------------------
 

@@ -1,0 +1,82 @@
+"""The quantize step of an FP8 sync: the trainer's bf16 HF stream -> the block-FP8 tensors the rollout loaded.
+
+Which tensors: exactly those the rollout's checkpoint stores as e4m3fn with a `weight_scale_inv` beside it (the
+write plans' HF specs come from its safetensors headers). Each such tensor is quantized on its own device by
+`verl_p2p.quant.block_fp8` and replaced in the stream by its FP8 bytes and its scales; every other tensor passes
+unchanged. Tensors of one shape that arrive together (a layer's experts) are quantized in one batched call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+
+import torch
+
+from verl_p2p.errors import QuantizationError
+from verl_p2p.quant.block_fp8 import BLOCK, FLOAT_INPUTS, quantize_many, scale_name
+
+PlannedSpecs = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+def fp8_targets(planned: PlannedSpecs) -> dict[str, str]:
+    """HF weight name -> its scale name, for every planned e4m3fn weight; refuses a planned FP8 weight whose
+    scales are missing or not 128x128 blocks (a checkpoint the quantizer cannot reproduce)."""
+    out: dict[str, str] = {}
+    for name, (shape, dtype) in planned.items():
+        if dtype != torch.float8_e4m3fn or not name.endswith("weight"):
+            continue
+        scale = scale_name(name)
+        want = tuple(-(-d // b) for d, b in zip(shape[-2:], BLOCK, strict=True))
+        got = planned.get(scale)
+        if got is None or tuple(got[0][-2:]) != want or got[1] != torch.float32:
+            raise QuantizationError(
+                f"the rollout's checkpoint stores {name!r} {tuple(shape)} as float8_e4m3fn with scales "
+                f"{scale!r}={got}, not fp32 {want} (one per 128x128 block): the trainer's quantizer cannot "
+                "reproduce it; write the checkpoint with verl_p2p.trainer.fp8_checkpoint"
+            )
+        out[name] = scale
+    return out
+
+
+def quantized_stream(
+    stream: Iterable[tuple[str, torch.Tensor]], planned: PlannedSpecs, batch: int = 64, batch_bytes: int = 1 << 29
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`stream` with each planned-FP8 weight that arrives in a plain float dtype quantized (weight, then scales).
+
+    The plan is checked here, at the call (before anything streams). Up to `batch` consecutive quantizable
+    tensors (at most `batch_bytes` of them) are held and quantized together (fewer kernel launches on a GPU);
+    any other tensor flushes the held ones first, so the order of the stream is kept.
+    """
+    targets = fp8_targets(planned)
+    if not targets:
+        return iter(stream)
+    return _quantized(iter(stream), targets, batch, batch_bytes)
+
+
+def _quantized(
+    stream: Iterator[tuple[str, torch.Tensor]], targets: Mapping[str, str], batch: int, batch_bytes: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    held: list[tuple[str, torch.Tensor]] = []
+    held_bytes = 0
+
+    def flush() -> Iterator[tuple[str, torch.Tensor]]:
+        nonlocal held_bytes
+        held_bytes = 0
+        results = quantize_many([t for _, t in held], BLOCK, [n for n, _ in held])
+        for (name, _), (q, s) in zip(held, results, strict=True):
+            yield name, q
+            yield targets[name], s
+        held.clear()
+
+    for name, tensor in stream:
+        if name in targets and tensor.dtype in FLOAT_INPUTS:
+            held.append((name, tensor))
+            held_bytes += tensor.numel() * tensor.element_size()
+            if len(held) >= batch or held_bytes >= batch_bytes:
+                yield from flush()
+            continue
+        if held:
+            yield from flush()
+        yield name, tensor
+    if held:
+        yield from flush()

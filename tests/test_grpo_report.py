@@ -40,7 +40,7 @@ def test_two_runs_side_by_side_with_the_steady_state_ratio(tmp_path):
     out = tmp_path / "out"
     rc = grpo_report.main(
         [str(p2p), str(verl), "--names", "p2p,mooncake", "--command", "A", "--command", "B", "--device-seconds", "300",
-         "--out-dir", str(out), "--table", "t.md", "--png", "plot.png"]
+         "--out-dir", str(out), "--table", "table.txt", "--png", "plot.png"]
     )  # fmt: skip
     assert rc == 0
     rep = json.loads((out / "p2p.json").read_text())
@@ -49,7 +49,7 @@ def test_two_runs_side_by_side_with_the_steady_state_ratio(tmp_path):
     assert rep["steps"][0]["paused_s"] == 2.5 and rep["steps"][0]["bytes"] == 100.0
     other = json.loads((out / "mooncake.json").read_text())  # its metrics came out of logs.tgz
     assert other["steady_sync_s_median"] == 3.0 and other["steps"][1]["paused_s"] is None
-    table = (out / "t.md").read_text()
+    table = (out / "table.txt").read_text()
     assert "| 2 | 1.000 | 0.500 | 100 | 3.000 | - | - |" in table and "mooncake / p2p = 3.00" in table
     assert (out / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -56,7 +56,7 @@ class Assignment:
     rank_infos: Mapping[TargetRank, RemoteRankInfo] = field(default_factory=dict, repr=False)
     layouts: Mapping[TargetRank, RankLayout] = field(default_factory=dict, repr=False)
     server_infos: Mapping[int, Mapping[str, Any]] = field(default_factory=dict, repr=False)
-    # engines of `targets` known to lack weight-update sessions (SGLang < 0.5.22): no post-load processing
+    # engines of `targets` known to lack weight-update sessions (SGLang < 0.5.21): no post-load processing
     sessionless_engines: frozenset[int] = frozenset()
 
     @property

@@ -3,7 +3,7 @@
 Some model classes derive weights from the loaded ones once loading is done (`post_load_weights`: MLA models
 such as DeepSeek-V2/V3 split `kv_b_proj` into the absorbed `w_kc`/`w_vc`, others requantize or fuse). SGLang
 runs that step after its own loads, and after p2p's one-sided writes only when the weight-update session
-ends (`/end_weight_update`, SGLang >= 0.5.22). A rollout without sessions would keep serving the derived
+ends (`/end_weight_update`, SGLang >= 0.5.21). A rollout without sessions would keep serving the derived
 weights of the old model, so such a pairing is refused (`refuse_without_sessions`).
 """
 
@@ -17,7 +17,7 @@ from verl_p2p.planning.layout import RankLayout
 from verl_p2p.replica.rank_context import RankContext
 
 POST_LOAD = "post_load_weights"  # what SGLang's loader calls on the model after loading (hasattr check)
-SESSIONS_SINCE = "0.5.22"
+SESSIONS_SINCE = "0.5.21"  # first release with /begin_weight_update and /end_weight_update
 
 
 class PostLoadWithoutSessionsError(UnsupportedLayoutError):

@@ -29,10 +29,12 @@ def _compare_job(job: dict, world: int, out: str) -> dict:
     tensors = load_file(os.path.join(job["model_path"], "model.safetensors"))
     specs = {n: (tuple(s), tensors[n].dtype) for n, s in hf_tensor_shapes(cfg)}
     problems, plans, checked, chunked, compiled, compiled_chunked, fallbacks = [], [], 0, 0, 0, 0, []
+    derived = {}
     for rank in range(world):
         witness = torch.load(os.path.join(out, f"rank{rank}.pt"))
         replica = RankReplica.build(cfg, info, layout_from_server_args(info, rank), specs)
         plans.append(replica.plan)
+        derived[str(rank)] = list(replica.plan.derived)
         executor = CompiledReplica(replica)
         fallbacks += [f"rank {rank} {n}: {why}" for n, why in executor.fallbacks.items()]
         if list(replica.plan.params) != list(witness):
@@ -81,6 +83,7 @@ def _compare_job(job: dict, world: int, out: str) -> dict:
         "compiled_chunked": compiled_chunked,
         "fallbacks": fallbacks,
         "problems": problems,
+        "derived": derived,
     }
 
 

@@ -1,4 +1,4 @@
-"""Tiny HF checkpoints (Qwen2, Qwen3, Qwen3-MoE) for the demo, the tests and the benchmark.
+"""Tiny HF checkpoints (Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V3) for the demo, the tests and the benchmark.
 
 Nothing is downloaded: configs are built in code and tensors generated. `id_encoded=True` gives every
 element of every tensor a distinct integer value (exact in float32 below 2**24), so a misplaced, missing or
@@ -16,7 +16,7 @@ import torch
 
 from verl_p2p.planning.hf_names import hf_tensor_specs
 
-ARCHS = ("qwen2", "qwen3", "qwen3_moe")
+ARCHS = ("qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
 
 _BASE = dict(
     vocab_size=256,
@@ -33,6 +33,45 @@ _BASE = dict(
     torch_dtype="float32",
 )
 _MOE = dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, norm_topk_prob=True)
+# DeepSeek-V3's published config.json (deepseek-ai/DeepSeek-V3; Kimi-K2 is the same class) at tiny sizes: MLA
+# with q and kv LoRA ranks and split rope/nope head dims, dense first layers (first_k_dense_replace), routed
+# experts with one shared expert, grouped sigmoid routing with a correction bias, and one multi-token-prediction
+# layer that the checkpoint written here leaves out (SGLang's main model skips it; its draft loads it).
+_DEEPSEEK_V3 = dict(
+    architectures=["DeepseekV3ForCausalLM"],
+    model_type="deepseek_v3",
+    num_hidden_layers=3,
+    num_key_value_heads=4,
+    moe_intermediate_size=32,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    first_k_dense_replace=1,
+    moe_layer_freq=1,
+    kv_lora_rank=32,
+    q_lora_rank=48,
+    qk_rope_head_dim=16,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    n_group=2,
+    topk_group=1,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    scoring_func="sigmoid",
+    topk_method="noaux_tc",
+    num_nextn_predict_layers=1,
+    hidden_act="silu",
+    # YaRN as published (factor 40 over 4096 positions), scaled to the tiny context
+    rope_scaling=dict(
+        type="yarn",
+        factor=4.0,
+        original_max_position_embeddings=128,
+        beta_fast=32,
+        beta_slow=1,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+    ),
+)
 
 
 def tiny_config_dict(arch: str, **overrides) -> dict:
@@ -45,6 +84,9 @@ def tiny_config_dict(arch: str, **overrides) -> dict:
         cfg.pop("head_dim")
     elif arch == "qwen3":
         cfg.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3")
+    elif arch == "deepseek_v3":
+        cfg.pop("head_dim")
+        cfg.update(_DEEPSEEK_V3)
     else:
         cfg.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", mlp_only_layers=[], **_MOE)
     cfg.update(overrides)

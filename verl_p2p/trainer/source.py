@@ -135,12 +135,10 @@ class SourceSession:
         """A rollout without weight-update sessions never runs SGLang's post-load processing after our writes:
         refuse a model that needs it (its derived weights would keep the old values)."""
         try:
-            from verl_p2p.replica.model_class import post_load_hook, refuse_without_sessions
+            from verl_p2p.replica.model_class import refuse_post_load_without_sessions
         except ImportError as exc:
             raise _NO_SGLANG(exc) from exc
-        hook = post_load_hook(self.engine.model_config.hf_config, server_info, layout)
-        if hook is not None:
-            refuse_without_sessions(hook, target.engine, server_info)
+        refuse_post_load_without_sessions(self.engine.model_config.hf_config, server_info, layout, target.engine)
 
     def _stage_share(self, assignment: Assignment) -> Any:
         """With PP > 1, the part of every rollout rank this stage writes (the HF names it exports). Every rank

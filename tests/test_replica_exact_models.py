@@ -5,7 +5,8 @@ Same witness machinery as test_replica_exact.py (SGLang's parallel init and load
 `post_load_weights` derives tensors is synced only into those (older rollouts are refused, test_refusals.py).
 The witness also dumps the tensors SGLang derived (MLA's w_kc / w_vc), which the plan must list as allow-listed
 derivations of parameters it writes. Id-encoded float32 and random bfloat16, whole and chunked, at TP1/2/4,
-EP2/4 and DP attention.
+EP2/4 and DP attention; and a rollout that fused its shared expert, whose replica decides fusion from the
+rank's published parameters.
 """
 
 from __future__ import annotations
@@ -30,7 +31,13 @@ LAYOUTS = [
     ("dsv3-tp4", "dsv3", dict(tp_size=4)),
     ("dsv3-tp4-ep4", "dsv3", dict(tp_size=4, ep_size=4)),
     ("dsv3-tp4-ep2-dpattn2", "dsv3", dict(tp_size=4, ep_size=2, dp_size=2, enable_dp_attention=True)),
+    # a rollout that fused its shared expert into routed slot E (on a GPU it decides so itself; on CPU it is
+    # told to); the replica is built from the server args without that flag and must decide from the rank's
+    # published parameters, never from the trainer's device (which would not fuse here)
+    ("dsv3-tp1-fused", "dsv3", dict(tp_size=1, enforce_shared_experts_fusion=True)),
+    ("dsv3-tp2-fused", "dsv3", dict(tp_size=2, enforce_shared_experts_fusion=True)),
 ]
+FUSED = {t for t, _, a in LAYOUTS if a.get("enforce_shared_experts_fusion")}
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +58,8 @@ def exact_results(tmp_path_factory):
         for variant, (dtype, _) in VARIANTS.items():
             dt = str(dtype).removeprefix("torch.")
             job = {"tag": f"{tag}-{variant}", "model_path": paths[model, variant], "server_args": {"dtype": dt, **args}}
+            if tag in FUSED:
+                job["fusion_from_published"] = True
             by_world.setdefault(args["tp_size"], []).append(job)
     logs = root / "logs"
     logs.mkdir()
@@ -89,3 +98,20 @@ def test_replica_bytes_equal_sglang_ranks(exact_results, version, tag, variant):
         listed = set(r["derived"][str(rank)])
         # with one head per rank w_vc is a view of kv_b_proj.weight (a parameter p2p writes): not derived then
         assert listed <= built and (listed == built or world == 4) and listed, (listed, built)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("tag", sorted(FUSED))
+def test_shared_expert_fusion_is_decided_as_the_rollout_decided(exact_results, version, tag):
+    """The fused rollout's bytes are matched (above) by a replica that took the decision from the published
+    parameters; the replica the trainer's device would build alone is refused, naming both layouts."""
+    results, root = exact_results
+    r = results[(version, f"{tag}-f32ids")]
+    world = dict(next(a for t, _, a in LAYOUTS if t == tag))["tp_size"]
+    assert len(r["fusion_refusals"]) == world, r["fusion_refusals"]
+    text = r["fusion_refusals"][0]
+    assert "the rollout holds the shared expert as fused into routed w13/w2" in text
+    assert "replica of that rank builds it as a separate shared_experts module" in text
+    assert "--disable-shared-experts-fusion" in text
+    witness = torch.load(os.path.join(root, version, f"{tag}-f32ids", "rank0.pt"))
+    assert not any(".shared_experts." in n for n in witness)  # the witness really fused

@@ -5,7 +5,9 @@
 RankReplica.build from the witness's resolved server args, every parameter loaded into a NaN-prefilled
 buffer and compared bit for bit with the witness parameter, then produced again chunk by chunk
 (load_chunk) and compared; the compiled executor (`CompiledReplica`) does the same, whole and chunked;
-finally every HF tensor must land on some rank.
+finally every HF tensor must land on some rank. A job with `fusion_from_published` builds the replica from
+the server args less the shared-experts fusion flag the witness ran with, deciding fusion from the witness's
+parameters (`rollout_fusion_args`), and records the refusal of the replica the trainer would build alone.
 """
 
 import json
@@ -19,6 +21,13 @@ def _compare_job(job: dict, world: int, out: str) -> dict:
     from safetensors.torch import load_file
 
     from verl_p2p.planning.layout import layout_from_server_args
+    from verl_p2p.planning.shared_experts import (
+        DISABLE,
+        ENFORCE,
+        SharedExpertsFusionMismatchError,
+        check_replica_fusion,
+        rollout_fusion_args,
+    )
     from verl_p2p.replica import RankReplica, check_hf_coverage
     from verl_p2p.replica.compiled import CompiledReplica
     from verl_p2p.sandbox.tiny import hf_tensor_shapes
@@ -29,10 +38,20 @@ def _compare_job(job: dict, world: int, out: str) -> dict:
     tensors = load_file(os.path.join(job["model_path"], "model.safetensors"))
     specs = {n: (tuple(s), tensors[n].dtype) for n, s in hf_tensor_shapes(cfg)}
     problems, plans, checked, chunked, compiled, compiled_chunked, fallbacks = [], [], 0, 0, 0, 0, []
-    derived = {}
+    derived, fusion_refusals = {}, []
     for rank in range(world):
         witness = torch.load(os.path.join(out, f"rank{rank}.pt"))
-        replica = RankReplica.build(cfg, info, layout_from_server_args(info, rank), specs)
+        rank_info = info
+        if job.get("fusion_from_published"):  # the server args without the fusion flag the witness ran with
+            rank_info = {k: v for k, v in info.items() if k not in (DISABLE, ENFORCE)}
+            plain = RankReplica.build(cfg, rank_info, layout_from_server_args(rank_info, rank), specs)
+            try:  # the decision the trainer's own device would take must be refused against the rollout's
+                check_replica_fusion(plain.plan.params, witness, f"witness rank {rank}")
+            except SharedExpertsFusionMismatchError as exc:
+                fusion_refusals.append(str(exc))
+            rank_info = rollout_fusion_args(cfg, rank_info, witness, f"witness rank {rank}")
+        replica = RankReplica.build(cfg, rank_info, layout_from_server_args(rank_info, rank), specs)
+        check_replica_fusion(replica.plan.params, witness, f"witness rank {rank}")
         plans.append(replica.plan)
         derived[str(rank)] = list(replica.plan.derived)
         executor = CompiledReplica(replica)
@@ -84,6 +103,7 @@ def _compare_job(job: dict, world: int, out: str) -> dict:
         "fallbacks": fallbacks,
         "problems": problems,
         "derived": derived,
+        "fusion_refusals": fusion_refusals,
     }
 
 

@@ -18,7 +18,15 @@ from verl_p2p.planning.plan import SourceRank, build_transfer_plan
 from verl_p2p.planning.targets import RemoteRankInfo, TargetRank
 
 # server args that change the bytes a rank holds, beside its layout
-_BYTE_ARGS = ("model_path", "dtype", "quantization", "kv_cache_dtype", "json_model_override_args")
+_BYTE_ARGS = (
+    "model_path",
+    "dtype",
+    "quantization",
+    "kv_cache_dtype",
+    "json_model_override_args",
+    "disable_shared_experts_fusion",  # set per rank from what it publishes (planning/shared_experts.py)
+    "enforce_shared_experts_fusion",
+)
 
 
 @dataclass(frozen=True)

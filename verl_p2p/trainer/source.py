@@ -16,6 +16,7 @@ from typing import Any
 from verl_p2p.backend.topology import Assignment, layout_key
 from verl_p2p.config import P2PConfig
 from verl_p2p.errors import P2PError
+from verl_p2p.planning.shared_experts import check_replica_fusion, rollout_fusion_args
 
 logger = logging.getLogger(__name__)
 
@@ -89,15 +90,27 @@ class SourceSession:
         self.apply_error = None
         targets = []
         try:
+            server_infos = {}  # per target: the rollout's server args with its shared-experts fusion decision
             for target in assignment.targets:  # refusals first: nothing is allocated for a plan that cannot run
                 if target.engine in assignment.sessionless_engines:
                     self._refuse_without_sessions(
                         target, assignment.server_infos[target.engine], assignment.layouts[target]
                     )
+                server_infos[target] = rollout_fusion_args(
+                    self.engine.model_config.hf_config,
+                    assignment.server_infos[target.engine],
+                    assignment.rank_infos[target].params,
+                    f"rollout engine {target.engine} rank {target.rank}",
+                )
             if assignment.targets:
                 self._open_transport()
             for target in assignment.targets:
-                replica = self._replica(assignment.server_infos[target.engine], assignment.layouts[target])
+                replica = self._replica(server_infos[target], assignment.layouts[target])
+                check_replica_fusion(
+                    replica.plan.params,
+                    assignment.rank_infos[target].params,
+                    f"rollout engine {target.engine} rank {target.rank}",
+                )
                 targets.append(PushTarget(target, self._executor(replica), assignment.rank_infos[target]))
         except Exception as exc:  # reported at push, by the go/no-go (see the docstring)
             self.apply_error, targets = exc, []

@@ -106,8 +106,8 @@ def test_a_checkpoint_dir_plans_from_its_safetensors_headers(tiny_model, tmp_pat
 
 
 def test_unknown_model_types_are_named():
-    with pytest.raises(ValueError, match="model_type='llama'.*safetensors"):
-        hf_tensor_specs({"model_type": "llama"})
+    with pytest.raises(ValueError, match="model_type='mistral'.*safetensors"):
+        hf_tensor_specs({"model_type": "mistral"})
 
 
 def test_bad_layout_specs_are_named(tiny_model, capsys):

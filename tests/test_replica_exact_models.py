@@ -1,8 +1,10 @@
-"""The replica's bytes equal SGLang's own rank load for the model classes that need sessions (DeepSeek-V3 MLA).
+"""The replica's bytes equal SGLang's own rank load for the new model classes: DeepSeek-V3 and GLM-4.7-Flash (MLA,
+derived tensors: they need sessions), GLM-4.5 (shared-experts fusion) and Llama.
 
 Same witness machinery as test_replica_exact.py (SGLang's parallel init and loader in real gloo worlds, its
 `post_load_weights` included), for the releases with weight-update sessions only (0.5.21, 0.5.23): a class whose
 `post_load_weights` derives tensors is synced only into those (older rollouts are refused, test_refusals.py).
+(0.5.12, which has no sessions, is in test_replica_exact.py for the classes that need none.)
 The witness also dumps the tensors SGLang derived (MLA's w_kc / w_vc), which the plan must list as allow-listed
 derivations of parameters it writes. Id-encoded float32 and random bfloat16, whole and chunked, at TP1/2/4,
 EP2/4 and DP attention; and a rollout that fused its shared expert, whose replica decides fusion from the
@@ -22,7 +24,14 @@ from verl_p2p.sandbox.tiny import write_tiny_checkpoint
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
 VERSIONS = tuple(v for v, d in harness.SGLANG_DIRS.items() if d is not None)  # releases with sessions
-MODELS = {"dsv3": dict(arch="deepseek_v3")}  # 3 layers: dense first, 8 routed + 1 shared experts, MTP skipped
+# 3 layers each: dense first, 8 routed + 1 shared experts, MTP layer skipped (sandbox/tiny.py: from the cards)
+MODELS = {
+    "dsv3": dict(arch="deepseek_v3"),  # DeepseekV3ForCausalLM (Kimi-K2's class): MLA
+    "glm45": dict(arch="glm4_moe"),  # Glm4MoeForCausalLM: GQA with qkv bias
+    "glm47": dict(arch="glm4_moe_lite"),  # Glm4MoeLiteForCausalLM (GLM-4.7-Flash): MLA
+    "llama": dict(arch="llama", vocab_size=250),  # LlamaForCausalLM, padded vocab rows
+}
+MLA = ("dsv3", "glm47")  # post_load_weights derives w_kc / w_vc
 VARIANTS = {"f32ids": (torch.float32, True), "bf16rand": (torch.bfloat16, False)}
 LAYOUTS = [
     ("dsv3-tp1", "dsv3", dict(tp_size=1)),
@@ -36,6 +45,15 @@ LAYOUTS = [
     # published parameters, never from the trainer's device (which would not fuse here)
     ("dsv3-tp1-fused", "dsv3", dict(tp_size=1, enforce_shared_experts_fusion=True)),
     ("dsv3-tp2-fused", "dsv3", dict(tp_size=2, enforce_shared_experts_fusion=True)),
+    ("glm45-tp2-ep2", "glm45", dict(tp_size=2, ep_size=2)),
+    ("glm45-tp4-ep2-dpattn2", "glm45", dict(tp_size=4, ep_size=2, dp_size=2, enable_dp_attention=True)),
+    # GLM-4.5 fuses only where its gate sees CUDA >= sm80 (enforce_shared_experts_fusion does not override it):
+    # on CPU its rollout keeps the shared expert apart, so fusion is proven for it on the GPU only
+    ("glm45-tp1", "glm45", dict(tp_size=1)),
+    ("glm47-tp2-ep2", "glm47", dict(tp_size=2, ep_size=2)),
+    ("glm47-tp4-ep2-dpattn2", "glm47", dict(tp_size=4, ep_size=2, dp_size=2, enable_dp_attention=True)),
+    ("llama-tp2", "llama", dict(tp_size=2)),
+    ("llama-tp4", "llama", dict(tp_size=4)),  # 2 kv heads over 4 ranks: replicated
 ]
 FUSED = {t for t, _, a in LAYOUTS if a.get("enforce_shared_experts_fusion")}
 
@@ -90,10 +108,14 @@ def test_replica_bytes_equal_sglang_ranks(exact_results, version, tag, variant):
     assert r["checked"] > 0 and r["chunked"] > 0
     assert r["compiled"] == r["checked"] and r["compiled_chunked"] == r["chunked"]
     assert not r["fallbacks"], r["fallbacks"]
-    world = dict(next(a for t, _, a in LAYOUTS if t == tag))["tp_size"]
+    model, args = next((m, a) for t, m, a in LAYOUTS if t == tag)
+    world = args["tp_size"]
     for rank in range(world):
         witness = torch.load(os.path.join(root, version, f"{tag}-{variant}", f"derived{rank}.pt"))
         built = {n for n in witness if n.endswith((".w_kc", ".w_vc"))}
+        if model not in MLA:
+            assert not built and not r["derived"][str(rank)], r["derived"]
+            continue
         assert built == {f"model.layers.{i}.self_attn.{w}" for i in range(3) for w in ("w_kc", "w_vc")}
         listed = set(r["derived"][str(rank)])
         # with one head per rank w_vc is a view of kv_b_proj.weight (a parameter p2p writes): not derived then

@@ -1,5 +1,5 @@
-"""The replica's bytes equal SGLang's own rank load for the new model classes: DeepSeek-V3 and GLM-4.7-Flash (MLA,
-derived tensors: they need sessions), GLM-4.5 (shared-experts fusion) and Llama.
+"""The replica's bytes equal SGLang's own rank load for the new model classes: DeepSeek-V3, DeepSeek-V2 and
+GLM-4.7-Flash (MLA, derived tensors: they need sessions), GLM-4.5 (shared-experts fusion) and Llama.
 
 Same witness machinery as test_replica_exact.py (SGLang's parallel init and loader in real gloo worlds, its
 `post_load_weights` included), for the releases with weight-update sessions only (0.5.21, 0.5.23): a class whose
@@ -27,11 +27,12 @@ VERSIONS = tuple(v for v, d in harness.SGLANG_DIRS.items() if d is not None)  # 
 # 3 layers each: dense first, 8 routed + 1 shared experts, MTP layer skipped (sandbox/tiny.py: from the cards)
 MODELS = {
     "dsv3": dict(arch="deepseek_v3"),  # DeepseekV3ForCausalLM (Kimi-K2's class): MLA
+    "dsv2": dict(arch="deepseek_v2"),  # DeepseekV2ForCausalLM (V2-Lite: no q LoRA, 2 shared experts): MLA
     "glm45": dict(arch="glm4_moe"),  # Glm4MoeForCausalLM: GQA with qkv bias
     "glm47": dict(arch="glm4_moe_lite"),  # Glm4MoeLiteForCausalLM (GLM-4.7-Flash): MLA
     "llama": dict(arch="llama", vocab_size=250),  # LlamaForCausalLM, padded vocab rows
 }
-MLA = ("dsv3", "glm47")  # post_load_weights derives w_kc / w_vc
+MLA = ("dsv3", "dsv2", "glm47")  # post_load_weights derives w_kc / w_vc
 VARIANTS = {"f32ids": (torch.float32, True), "bf16rand": (torch.bfloat16, False)}
 LAYOUTS = [
     ("dsv3-tp1", "dsv3", dict(tp_size=1)),
@@ -45,6 +46,7 @@ LAYOUTS = [
     # published parameters, never from the trainer's device (which would not fuse here)
     ("dsv3-tp1-fused", "dsv3", dict(tp_size=1, enforce_shared_experts_fusion=True)),
     ("dsv3-tp2-fused", "dsv3", dict(tp_size=2, enforce_shared_experts_fusion=True)),
+    ("dsv2-tp2-ep2", "dsv2", dict(tp_size=2, ep_size=2)),
     ("glm45-tp2-ep2", "glm45", dict(tp_size=2, ep_size=2)),
     ("glm45-tp4-ep2-dpattn2", "glm45", dict(tp_size=4, ep_size=2, dp_size=2, enable_dp_attention=True)),
     # GLM-4.5 fuses only where its gate sees CUDA >= sm80 (enforce_shared_experts_fusion does not override it):

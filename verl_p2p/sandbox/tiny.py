@@ -17,7 +17,7 @@ import torch
 
 from verl_p2p.planning.hf_names import hf_tensor_specs
 
-ARCHS = ("qwen2", "qwen3", "qwen3_moe", "llama", "deepseek_v3", "glm4_moe", "glm4_moe_lite")
+ARCHS = ("qwen2", "qwen3", "qwen3_moe", "llama", "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite")
 
 _BASE = dict(
     vocab_size=256,
@@ -74,6 +74,22 @@ _DEEPSEEK_V3 = dict(
     ),
 )
 
+# DeepSeek-V2-Lite's published config.json (deepseek-ai/DeepSeek-V2-Lite): MLA without a q LoRA (q_proj), two
+# shared experts, greedy softmax routing without a correction bias, no MTP layer.
+_DEEPSEEK_V2 = dict(
+    _DEEPSEEK_V3,
+    architectures=["DeepseekV2ForCausalLM"],
+    model_type="deepseek_v2",
+    q_lora_rank=None,
+    n_shared_experts=2,
+    n_group=1,
+    topk_group=1,
+    routed_scaling_factor=1.0,
+    norm_topk_prob=False,
+    scoring_func="softmax",
+    topk_method="greedy",
+    num_nextn_predict_layers=0,
+)
 # GLM-4.5's published config.json (zai-org/GLM-4.5; GLM-4.5-Air has the same structure) at tiny sizes: GQA
 # with qkv bias and partial rotary, dense first layers, routed experts with one shared expert, sigmoid routing
 # with a correction bias, one MTP layer the checkpoint written here leaves out.
@@ -113,6 +129,9 @@ def tiny_config_dict(arch: str, **overrides) -> dict:
         cfg.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3")
     elif arch == "llama":
         cfg.update(architectures=["LlamaForCausalLM"], model_type="llama", attention_bias=False, hidden_act="silu")
+    elif arch == "deepseek_v2":
+        cfg.pop("head_dim")
+        cfg.update(_DEEPSEEK_V2)
     elif arch == "deepseek_v3":
         cfg.pop("head_dim")
         cfg.update(_DEEPSEEK_V3)

@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engines", type=int, default=4)
     parser.add_argument("--tp", type=int, default=2, help="ranks per engine")
     parser.add_argument("--syncs", type=int, default=20, help="measured syncs (after 1 connecting + 3 warm-up)")
-    parser.add_argument("--sglang-version", default="0.5.23", help="release the engines imitate (>= 0.5.22: sessions)")
+    parser.add_argument("--sglang-version", default="0.5.23", help="release the engines imitate (>= 0.5.21: sessions)")
     parser.add_argument("--no-baseline", action="store_true", help="skip the stand-in run for comparison")
     parser.add_argument("--json", type=Path)
     parser.add_argument(

@@ -106,8 +106,8 @@ def test_a_checkpoint_dir_plans_from_its_safetensors_headers(tiny_model, tmp_pat
 
 
 def test_unknown_model_types_are_named():
-    with pytest.raises(ValueError, match="model_type='llama'.*safetensors"):
-        hf_tensor_specs({"model_type": "llama"})
+    with pytest.raises(ValueError, match="model_type='mistral'.*safetensors"):
+        hf_tensor_specs({"model_type": "mistral"})
 
 
 def test_bad_layout_specs_are_named(tiny_model, capsys):
@@ -166,15 +166,16 @@ def test_model_cards_are_the_published_shapes():
         768,
     )
     assert (q235["num_hidden_layers"], q235["hidden_size"], q235["num_attention_heads"]) == (94, 4096, 64)
-    # parameter counts from the generated tensor lists match the published totals (30.5B, 235B, 671B, 1.0T)
+    # parameter counts from the generated tensor lists match the published totals (30.5B, 235B, 671B, 1.0T, 106B)
     totals = {}
-    for name in ("qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3", "kimi-k2"):
+    for name in ("qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3", "kimi-k2", "glm-4.5-air"):
         specs = hf_tensor_specs(model_card(name))
         totals[name] = sum(_numel(s) for _, s, _ in specs)
     assert 30.0e9 < totals["qwen3-30b-a3b"] < 31.0e9
     assert 234e9 < totals["qwen3-235b-a22b"] < 236e9
     assert 665e9 < totals["deepseek-v3"] < 675e9  # without the multi-token-prediction layer
     assert 1.02e12 < totals["kimi-k2"] < 1.04e12
+    assert 105e9 < totals["glm-4.5-air"] < 108e9  # 106B published; MTP layer left out
     assert card_name_of(model_card("qwen3-30b-a3b")) == "qwen3-30b-a3b"
     assert card_name_of(model_card("qwen3-30b-a3b", 2)) is None
     assert {p.card for p in PUBLISHED_SYNCS} >= {"qwen3-30b-a3b", "qwen3-235b-a22b", "kimi-k2"}

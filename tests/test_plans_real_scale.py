@@ -1,8 +1,11 @@
 """Write plans of the published model shapes (real widths, 128/384 experts; 2 layers to keep CI short) at
 production layouts: each rank's expert parameters are fed by exactly its own experts, attention follows the
-layout, every HF tensor lands somewhere, and DeepSeek-style post-load derivations are refused."""
+layout, every HF tensor lands somewhere, and DeepSeek-style post-load derivations are
+allow-listed (MLA's w_kc/w_vc) or refused."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -14,7 +17,7 @@ from verl_p2p.sandbox.cpu_stubs import install_cpu_stubs
 
 install_cpu_stubs()
 
-from verl_p2p.replica import RankReplica, WritePlanError, check_hf_coverage  # noqa: E402
+from verl_p2p.replica import RankReplica, WritePlanError, check_hf_coverage, check_syncable  # noqa: E402
 from verl_p2p.replica.stream import plan_rank  # noqa: E402
 
 
@@ -69,9 +72,10 @@ def test_qwen3_moe_plans_at_production_layouts(card, layout_args):
     check_hf_coverage(plans)  # every HF tensor (all 2 x 128 x 3 experts) lands on some rank
 
 
-def test_kimi_k2_shape_captures_on_meta_but_p2p_refuses_it():
-    """SGLang builds DeepseekV3ForCausalLM on meta and its loader plans fine, but `post_load_weights` derives
-    MLA's w_kc / w_vc from kv_b_proj into non-parameter tensors a rollout never registers: refused by name."""
+def test_kimi_k2_shape_plans_with_mla_derivations_allow_listed():
+    """SGLang builds DeepseekV3ForCausalLM on meta and its loader plans fine; `post_load_weights` derives MLA's
+    w_kc / w_vc from kv_b_proj into non-parameter tensors a rollout never registers. Those are on the allow-list
+    (rebuilt at session end from the written kv_b_proj), so the replica builds; an unknown one is refused."""
     cfg = model_card("kimi-k2", num_hidden_layers=2)  # layer 0 dense, layer 1 with 384 routed experts
     specs = _specs(cfg)
     args = {"tp_size": 8, "ep_size": 8, "dtype": "bfloat16", "device": "cpu"}  # yarn rope asks for the device
@@ -82,5 +86,7 @@ def test_kimi_k2_shape_captures_on_meta_but_p2p_refuses_it():
     assert _expert_ids(w13.feeds, "gate_proj") == list(range(3 * 48, 4 * 48))
     assert plan.params["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
     assert set(plan.derived) == {f"model.layers.{i}.self_attn.{w}" for i in (0, 1) for w in ("w_kc", "w_vc")}
-    with pytest.raises(WritePlanError, match=r"w_kc.*post_load_weights"):
-        RankReplica.build(cfg, args, layout, specs)
+    RankReplica.build(cfg, args, layout, specs)  # allow-listed: built
+    unknown = dataclasses.replace(plan, derived=(*plan.derived, "model.layers.1.mlp.experts.w13_packed"))
+    with pytest.raises(WritePlanError, match=r"w13_packed.*post_load_weights.*w_kc/w_vc"):
+        check_syncable(unknown)

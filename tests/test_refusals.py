@@ -94,6 +94,16 @@ def test_post_load_hook_names_the_model_class_sglang_post_processes(qwen3):
     assert post_load_hook(qwen3[1], SERVER_ARGS, layout) is None
 
 
+def test_sessions_since_is_the_first_release_with_sessions():
+    """The refusal names the release that added /begin_weight_update (0.5.21), the one the loopback imitates
+    and the rollout client's 404 message name, not a later one."""
+    from verl_p2p.loopback.features import Features
+    from verl_p2p.replica.model_class import SESSIONS_SINCE
+
+    assert SESSIONS_SINCE == "0.5.21"
+    assert Features.of(SESSIONS_SINCE).weight_update_session and not Features.of("0.5.20").weight_update_session
+
+
 class EngineStandIn:
     """Stand-in for verl's MegatronEngine: what SourceSession reads (model_config) and exports (its stream)."""
 
@@ -151,7 +161,8 @@ def test_sessionless_rollout_of_a_post_load_model_is_refused_before_anything_is_
     assert "trainer rank 0: PostLoadWithoutSessionsError" in text
     assert "rollout engine 0 runs SGLang 0.5.12 without weight-update sessions" in text
     assert "DeepseekV3ForCausalLM.post_load_weights()" in text
-    assert "Fix: run the rollout on SGLang >= 0.5.22" in text and "nothing was written" in text
+    assert "MLA's absorbed projections w_kc/w_vc, rebuilt from kv_b_proj" in text  # what it derives, named
+    assert "Fix: run the rollout on SGLang >= 0.5.21" in text and "nothing was written" in text
     assert engine.exported == 0  # nothing streamed, so nothing written
     assert session.transport is None and session.buffers is None and session.writer is None
     session.close()
@@ -556,3 +567,20 @@ def test_send_weights_reports_a_go_no_go_abort_by_its_cause(monkeypatch, mine):
         assert (
             "trainer rank 0: did not export: its export group's go/no-go stopped it (trainer rank(s) 1 refused)" in text
         )
+
+
+def test_mla_derivation_is_allowed_only_from_its_own_kv_b_proj():
+    """The allow-list is not a blanket pass: w_kc computed from anything but its module's written kv_b_proj,
+    or a derived tensor of another name, is unexplained (and refused at capture / check_syncable)."""
+    from verl_p2p.replica.derived import unexplained
+
+    kv_b = "model.layers.0.self_attn.kv_b_proj.weight"
+    feeds = {kv_b: (kv_b,), "model.layers.0.self_attn.q_b_proj.weight": ("model.layers.0.self_attn.q_b_proj.weight",)}
+    assert unexplained({"model.layers.0.self_attn.w_kc": frozenset({kv_b})}, feeds) == {}
+    impure = unexplained(
+        {"model.layers.0.self_attn.w_kc": frozenset({kv_b, "model.layers.0.self_attn.q_b_proj.weight"})}, feeds
+    )
+    assert "q_b_proj" in impure["model.layers.0.self_attn.w_kc"]
+    other_layer = unexplained({"model.layers.1.self_attn.w_kc": frozenset({kv_b})}, feeds)
+    assert other_layer == {"model.layers.1.self_attn.w_kc": "no allow-listed derivation builds it"}
+    assert "model.layers.0.mlp.w13_packed" in unexplained({"model.layers.0.mlp.w13_packed": frozenset({kv_b})}, feeds)

@@ -10,6 +10,9 @@ non-contiguous views of its HF tensors (transposed, or every other element of a 
 yield) to both executors, whole and chunked, and compares the same way. A job with `bf16_source` (an FP8
 rollout) takes its feeds from that bf16 checkpoint
 through the trainer's quantize step (`trainer/fp8_stream.py`), not from the FP8 files.
+A job with `fusion_from_published` builds the replica from
+the server args less the shared-experts fusion flag the witness ran with, deciding fusion from the witness's
+parameters (`rollout_fusion_args`), and records the refusal of the replica the trainer would build alone.
 """
 
 import json
@@ -55,6 +58,13 @@ def _compare_job(job: dict, world: int, out: str) -> dict:
     from safetensors.torch import load_file
 
     from verl_p2p.planning.layout import layout_from_server_args
+    from verl_p2p.planning.shared_experts import (
+        DISABLE,
+        ENFORCE,
+        SharedExpertsFusionMismatchError,
+        check_replica_fusion,
+        rollout_fusion_args,
+    )
     from verl_p2p.replica import RankReplica, check_hf_coverage
     from verl_p2p.replica.compiled import CompiledReplica
     from verl_p2p.sandbox.tiny import hf_tensor_shapes
@@ -74,10 +84,22 @@ def _compare_job(job: dict, world: int, out: str) -> dict:
         tensors = dict(quantized_stream(source.items(), specs))
     problems, plans, checked, chunked, compiled, compiled_chunked, fallbacks = [], [], 0, 0, 0, 0, []
     strided_checked = 0
+    derived, fusion_refusals = {}, []
     for rank in range(world):
         witness = torch.load(os.path.join(out, f"rank{rank}.pt"))
-        replica = RankReplica.build(cfg, info, layout_from_server_args(info, rank), specs)
+        rank_info = info
+        if job.get("fusion_from_published"):  # the server args without the fusion flag the witness ran with
+            rank_info = {k: v for k, v in info.items() if k not in (DISABLE, ENFORCE)}
+            plain = RankReplica.build(cfg, rank_info, layout_from_server_args(rank_info, rank), specs)
+            try:  # the decision the trainer's own device would take must be refused against the rollout's
+                check_replica_fusion(plain.plan.params, witness, f"witness rank {rank}")
+            except SharedExpertsFusionMismatchError as exc:
+                fusion_refusals.append(str(exc))
+            rank_info = rollout_fusion_args(cfg, rank_info, witness, f"witness rank {rank}")
+        replica = RankReplica.build(cfg, rank_info, layout_from_server_args(rank_info, rank), specs)
+        check_replica_fusion(replica.plan.params, witness, f"witness rank {rank}")
         plans.append(replica.plan)
+        derived[str(rank)] = list(replica.plan.derived)
         executor = CompiledReplica(replica)
         fallbacks += [f"rank {rank} {n}: {why}" for n, why in executor.fallbacks.items()]
         if list(replica.plan.params) != list(witness):
@@ -132,6 +154,8 @@ def _compare_job(job: dict, world: int, out: str) -> dict:
         "checkpoint_dtypes": sorted({str(t.dtype) for t in tensors.values()}),
         "rollout_dtypes": sorted({str(p.dtype) for plan in plans for p in plan.params.values()}),
         "problems": problems,
+        "derived": derived,
+        "fusion_refusals": fusion_refusals,
     }
 
 

@@ -2,7 +2,8 @@
 
 Run as `python tests/support/replica_witness.py SPEC.json RANK`. SPEC: {"out": DIR, "phases": [{"world": N,
 "init": "tcp://...", "jobs": [{"tag", "model_path", "server_args"}]}]}; a rank joins the phases whose world
-includes it, and the world is torn down between phases. Writes DIR/TAG/rank{r}.pt (parameters) and, from
+includes it, and the world is torn down between phases. Writes DIR/TAG/rank{r}.pt (parameters),
+DIR/TAG/derived{r}.pt (non-parameter tensors SGLang derived after loading, e.g. MLA's w_kc/w_vc) and, from
 rank 0, DIR/TAG/server_info.json (the resolved server args, as `/server_info` would serve them).
 """
 
@@ -28,6 +29,13 @@ def main() -> None:
             params = {n: p.detach().clone() for n, p in model.named_parameters()}
             assert all(p.device.type == "cpu" for p in params.values())
             torch.save(params, os.path.join(out, f"rank{rank}.pt"))
+            derived = {  # tensors SGLang derives after loading (post_load_weights), e.g. MLA's w_kc / w_vc
+                f"{mod_name}.{attr}": t.detach().clone()
+                for mod_name, module in model.named_modules()
+                for attr, t in vars(module).items()
+                if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter)
+            }
+            torch.save(derived, os.path.join(out, f"derived{rank}.pt"))
             if rank == 0:
                 with open(os.path.join(out, "server_info.json"), "w") as f:
                     json.dump(model.sglang_server_info, f, default=str)

@@ -18,7 +18,15 @@ from verl_p2p.planning.plan import SourceRank, build_transfer_plan
 from verl_p2p.planning.targets import RemoteRankInfo, TargetRank
 
 # server args that change the bytes a rank holds, beside its layout
-_BYTE_ARGS = ("model_path", "dtype", "quantization", "kv_cache_dtype", "json_model_override_args")
+_BYTE_ARGS = (
+    "model_path",
+    "dtype",
+    "quantization",
+    "kv_cache_dtype",
+    "json_model_override_args",
+    "disable_shared_experts_fusion",  # set per rank from what it publishes (planning/shared_experts.py)
+    "enforce_shared_experts_fusion",
+)
 
 
 @dataclass(frozen=True)
@@ -56,7 +64,7 @@ class Assignment:
     rank_infos: Mapping[TargetRank, RemoteRankInfo] = field(default_factory=dict, repr=False)
     layouts: Mapping[TargetRank, RankLayout] = field(default_factory=dict, repr=False)
     server_infos: Mapping[int, Mapping[str, Any]] = field(default_factory=dict, repr=False)
-    # engines of `targets` known to lack weight-update sessions (SGLang < 0.5.22): no post-load processing
+    # engines of `targets` known to lack weight-update sessions (SGLang < 0.5.21): no post-load processing
     sessionless_engines: frozenset[int] = frozenset()
     # target -> (part index, part count): this rank writes only that part of the target's parameters (several
     # ranks of the stage share the target: `planning.plan.split_by_bytes`); absent: all of them

@@ -235,7 +235,7 @@ def create_app(ctx: ControlContext) -> FastAPI:
                 selector = str((body or {}).get("selector", "all"))
                 try:
                     lc.check_begin(selector)
-                    ctx.call_ranks("ping")  # every rank takes part (SGLang: a TP barrier)
+                    ctx.call_ranks("begin_update")  # every rank takes part (SGLang: a TP barrier); restores
                 except (Refused, RankUnavailable, RankOpError) as e:
                     return session_answer(request, body, False, str(e))
                 violations = lc.begin(selector)

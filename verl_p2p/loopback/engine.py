@@ -252,6 +252,13 @@ class LoopbackEngine:
         data = self._rank(rank).call("dump", self.spec.rank_timeout_s)
         return torch.load(io.BytesIO(data), weights_only=True)
 
+    def dump_derived(self, rank: int) -> dict[str, Any]:
+        """Copies of rank `rank`'s derived non-parameter tensors (MLA's w_kc / w_vc), {name: CPU tensor}."""
+        import torch
+
+        data = self._rank(rank).call("dump_derived", self.spec.rank_timeout_s)
+        return torch.load(io.BytesIO(data), weights_only=True)
+
     def flip_byte(self, rank: int, param: str, index: int = 0) -> tuple[int, int]:
         """Invert every bit of byte `index` of `param` on rank `rank`; returns (old, new) byte values."""
         return tuple(self._rank(rank).call("flip_byte", self.spec.rank_timeout_s, name=param, index=index))

@@ -156,13 +156,56 @@ class _RankServer:
             return {"success": False, "message": str(e), "payload": None}
         return {"success": True, "message": "Success.", "payload": payload}
 
-    def post_load(self) -> bool:
-        """What SGLang's `post_load_weights(model)` does at end_weight_update; True when the model has the hook."""
-        hook = getattr(self.model, "post_load_weights", None)
-        if hook is None:
+    def dump_derived(self) -> bytes:
+        """Copies of the non-parameter tensors the model derived after loading (MLA's w_kc / w_vc): what
+        `weights_checker` cannot see and a session end must rebuild."""
+        import torch
+
+        derived = {
+            f"{module_name}.{attr}": t.detach().clone()
+            for module_name, module in self.model.named_modules()
+            for attr, t in vars(module).items()
+            if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter)
+        }
+        buf = io.BytesIO()
+        torch.save(derived, buf)
+        return buf.getvalue()
+
+    def begin_update(self) -> bool:
+        """What SGLang's begin_weight_update runs on a model runner: every quant method's
+        `restore_weights_before_loading` (undo in-place packing). True when the release has it."""
+        import torch
+        from sglang.srt.model_loader.loader import DefaultModelLoader
+
+        restore = getattr(DefaultModelLoader, "restore_weights_before_loading", None)
+        if restore is None:
             return False
-        hook()
+        restore(self.model, torch.device("cpu"))
         return True
+
+    def post_load(self) -> bool:
+        """What SGLang's end_weight_update runs after bytes that bypassed its loader (p2p writes): the model's
+        `post_load_weights` (MLA rebuilds w_kc / w_vc from kv_b_proj), then every quant method's
+        `process_weights_after_loading`, through SGLang's own functions where the release has them (0.5.21
+        on). True when the model has the hook."""
+        import torch
+        from sglang.srt.model_loader import loader
+
+        has_hook = hasattr(self.model, "post_load_weights")
+        run_hook = getattr(loader, "post_load_weights", None)
+        if run_hook is not None:
+            run_hook(self.model)
+        elif has_hook:
+            self.model.post_load_weights()
+        postprocess = getattr(loader.DefaultModelLoader, "postprocess_weights", None)
+        if postprocess is not None:
+            postprocess(self.model, torch.device("cpu"))
+        else:  # releases before it: the loop SGLang's loader runs after a load
+            for module in self.model.modules():
+                method = getattr(module, "quant_method", None)
+                if method is not None and hasattr(method, "process_weights_after_loading"):
+                    method.process_weights_after_loading(module)
+        return has_hook
 
 
 def rank_main(args: RankArgs, conn: Connection, parent_pid: int) -> None:

@@ -13,7 +13,17 @@ from typing import Any
 
 HFTensorSpec = tuple[str, tuple[int, ...], str]
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2")
+SUPPORTED_MODEL_TYPES = (
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "llama",
+    "deepseek_v2",
+    "deepseek_v3",
+    "kimi_k2",
+    "glm4_moe",
+    "glm4_moe_lite",
+)
 
 
 def config_dtype(cfg: Mapping[str, Any]) -> str:
@@ -25,10 +35,12 @@ def config_dtype(cfg: Mapping[str, Any]) -> str:
 def hf_tensor_specs(cfg: Mapping[str, Any]) -> list[HFTensorSpec]:
     """`[(name, shape, dtype)]` of every tensor the checkpoint of `cfg` holds, in checkpoint order."""
     model_type = cfg.get("model_type")
-    if model_type in ("qwen2", "qwen3", "qwen3_moe"):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe", "llama"):
         return list(_qwen(cfg, config_dtype(cfg)))
-    if model_type in ("deepseek_v3", "kimi_k2"):
+    if model_type in ("deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe_lite"):  # MLA
         return list(_deepseek_v3(cfg, config_dtype(cfg)))
+    if model_type == "glm4_moe":
+        return list(_glm4_moe(cfg, config_dtype(cfg)))
     raise ValueError(
         f"no tensor list for model_type={model_type!r} (known: {', '.join(SUPPORTED_MODEL_TYPES)}); "
         "point at a checkpoint directory with *.safetensors instead, whose headers list the tensors"
@@ -47,11 +59,11 @@ def _qwen(cfg: Mapping[str, Any], dtype: str) -> Iterator[HFTensorSpec]:
         yield f"{p}.self_attn.q_proj.weight", (heads * hd, h), dtype
         yield f"{p}.self_attn.k_proj.weight", (kv * hd, h), dtype
         yield f"{p}.self_attn.v_proj.weight", (kv * hd, h), dtype
-        if cfg["model_type"] == "qwen2":
+        if cfg["model_type"] == "qwen2" or (cfg["model_type"] == "llama" and cfg.get("attention_bias")):
             yield f"{p}.self_attn.q_proj.bias", (heads * hd,), dtype
             yield f"{p}.self_attn.k_proj.bias", (kv * hd,), dtype
             yield f"{p}.self_attn.v_proj.bias", (kv * hd,), dtype
-        else:
+        if cfg["model_type"] in ("qwen3", "qwen3_moe"):
             yield f"{p}.self_attn.q_norm.weight", (hd,), dtype
             yield f"{p}.self_attn.k_norm.weight", (hd,), dtype
         yield f"{p}.self_attn.o_proj.weight", (h, heads * hd), dtype
@@ -102,6 +114,51 @@ def _deepseek_v3(cfg: Mapping[str, Any], dtype: str) -> Iterator[HFTensorSpec]:
             yield f"{p}.mlp.gate.weight", (experts, h), dtype
             if cfg.get("topk_method") == "noaux_tc":
                 yield f"{p}.mlp.gate.e_score_correction_bias", (experts,), "float32"
+            for e in range(experts):
+                yield f"{p}.mlp.experts.{e}.gate_proj.weight", (mi, h), dtype
+                yield f"{p}.mlp.experts.{e}.up_proj.weight", (mi, h), dtype
+                yield f"{p}.mlp.experts.{e}.down_proj.weight", (h, mi), dtype
+            if shared:
+                yield f"{p}.mlp.shared_experts.gate_proj.weight", (mi * shared, h), dtype
+                yield f"{p}.mlp.shared_experts.up_proj.weight", (mi * shared, h), dtype
+                yield f"{p}.mlp.shared_experts.down_proj.weight", (h, mi * shared), dtype
+        else:
+            inter = cfg["intermediate_size"]
+            yield f"{p}.mlp.gate_proj.weight", (inter, h), dtype
+            yield f"{p}.mlp.up_proj.weight", (inter, h), dtype
+            yield f"{p}.mlp.down_proj.weight", (h, inter), dtype
+    yield "model.norm.weight", (h,), dtype
+    if not cfg.get("tie_word_embeddings"):
+        yield "lm_head.weight", (vocab, h), dtype
+
+
+def _glm4_moe(cfg: Mapping[str, Any], dtype: str) -> Iterator[HFTensorSpec]:
+    """GLM-4.5 / GLM-4.5-Air (GQA with qkv bias, dense first layers, routed + shared experts); its
+    multi-token-prediction layer (index num_hidden_layers) left out, as SGLang's main model skips it."""
+    h, vocab = cfg["hidden_size"], cfg["vocab_size"]
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = cfg.get("head_dim") or h // heads
+    experts, mi = cfg["n_routed_experts"], cfg["moe_intermediate_size"]
+    shared = cfg.get("n_shared_experts") or 0
+    yield "model.embed_tokens.weight", (vocab, h), dtype
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        yield f"{p}.input_layernorm.weight", (h,), dtype
+        yield f"{p}.self_attn.q_proj.weight", (heads * hd, h), dtype
+        yield f"{p}.self_attn.k_proj.weight", (kv * hd, h), dtype
+        yield f"{p}.self_attn.v_proj.weight", (kv * hd, h), dtype
+        if cfg.get("attention_bias", True):
+            yield f"{p}.self_attn.q_proj.bias", (heads * hd,), dtype
+            yield f"{p}.self_attn.k_proj.bias", (kv * hd,), dtype
+            yield f"{p}.self_attn.v_proj.bias", (kv * hd,), dtype
+        if cfg.get("use_qk_norm"):
+            yield f"{p}.self_attn.q_norm.weight", (hd,), dtype
+            yield f"{p}.self_attn.k_norm.weight", (hd,), dtype
+        yield f"{p}.self_attn.o_proj.weight", (h, heads * hd), dtype
+        yield f"{p}.post_attention_layernorm.weight", (h,), dtype
+        if i >= cfg.get("first_k_dense_replace", 0):
+            yield f"{p}.mlp.gate.weight", (experts, h), dtype
+            yield f"{p}.mlp.gate.e_score_correction_bias", (experts,), "float32"
             for e in range(experts):
                 yield f"{p}.mlp.experts.{e}.gate_proj.weight", (mi, h), dtype
                 yield f"{p}.mlp.experts.{e}.up_proj.weight", (mi, h), dtype

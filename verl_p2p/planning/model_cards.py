@@ -147,11 +147,50 @@ KIMI_K2 = dict(
     vocab_size=163840,
 )
 
+# zai-org/GLM-4.5-Air's config.json (BF16), without its multi-token-prediction layer (index 46).
+GLM_45_AIR = dict(
+    architectures=["Glm4MoeForCausalLM"],
+    model_type="glm4_moe",
+    attention_bias=True,
+    attention_dropout=0.0,
+    eos_token_id=[151329, 151336, 151338],
+    first_k_dense_replace=1,
+    head_dim=128,
+    hidden_act="silu",
+    hidden_size=4096,
+    initializer_range=0.02,
+    intermediate_size=10944,
+    max_position_embeddings=131072,
+    moe_intermediate_size=1408,
+    n_group=1,
+    n_routed_experts=128,
+    n_shared_experts=1,
+    norm_topk_prob=True,
+    num_attention_heads=96,
+    num_experts_per_tok=8,
+    num_hidden_layers=46,
+    num_key_value_heads=8,
+    num_nextn_predict_layers=1,
+    pad_token_id=151329,
+    partial_rotary_factor=0.5,
+    rms_norm_eps=1e-05,
+    rope_scaling=None,
+    rope_theta=1000000,
+    routed_scaling_factor=1.0,
+    tie_word_embeddings=False,
+    topk_group=1,
+    torch_dtype="bfloat16",
+    use_cache=True,
+    use_qk_norm=False,
+    vocab_size=151552,
+)
+
 MODEL_CARDS: dict[str, dict[str, Any]] = {
     "qwen3-30b-a3b": QWEN3_30B_A3B,
     "qwen3-235b-a22b": QWEN3_235B_A22B,
     "deepseek-v3": DEEPSEEK_V3,
     "kimi-k2": KIMI_K2,
+    "glm-4.5-air": GLM_45_AIR,
 }
 
 

@@ -3,21 +3,23 @@
 Some model classes derive weights from the loaded ones once loading is done (`post_load_weights`: MLA models
 such as DeepSeek-V2/V3 split `kv_b_proj` into the absorbed `w_kc`/`w_vc`, others requantize or fuse). SGLang
 runs that step after its own loads, and after p2p's one-sided writes only when the weight-update session
-ends (`/end_weight_update`, SGLang >= 0.5.22). A rollout without sessions would keep serving the derived
-weights of the old model, so such a pairing is refused (`refuse_without_sessions`).
+ends (`/end_weight_update`, SGLang >= 0.5.21). A rollout without sessions would keep serving the derived
+weights of the old model, so such a pairing is refused (`refuse_post_load_without_sessions`), naming what
+the class derives (`derived.py`: the allow-list of derivations a session end rebuilds).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from verl_p2p.errors import UnsupportedLayoutError
 from verl_p2p.planning.layout import RankLayout
+from verl_p2p.replica.derived import derivations_of_class
 from verl_p2p.replica.rank_context import RankContext
 
 POST_LOAD = "post_load_weights"  # what SGLang's loader calls on the model after loading (hasattr check)
-SESSIONS_SINCE = "0.5.22"
+SESSIONS_SINCE = "0.5.21"  # first release with /begin_weight_update and /end_weight_update
 
 
 class PostLoadWithoutSessionsError(UnsupportedLayoutError):
@@ -40,13 +42,28 @@ def post_load_hook(hf_config: Any, server_args: Mapping[str, Any], layout: RankL
     return f"{cls.__name__}.{POST_LOAD}" if hasattr(cls, POST_LOAD) else None
 
 
-def refuse_without_sessions(hook: str, engine: int, server_info: Mapping[str, Any]) -> None:
-    """Raise PostLoadWithoutSessionsError for `hook` on rollout `engine` (whose server has no sessions)."""
+def refuse_without_sessions(
+    hook: str, engine: int, server_info: Mapping[str, Any], derives: Sequence[str] = ()
+) -> None:
+    """Raise PostLoadWithoutSessionsError for `hook` on rollout `engine` (whose server has no sessions);
+    `derives` says what the hook derives (the allow-listed derivations of its class)."""
     version = server_info.get("version") or "?"
+    what = "; ".join(derives) or "tensors p2p does not know how to rebuild"
     raise PostLoadWithoutSessionsError(
         f"rollout engine {engine} runs SGLang {version} without weight-update sessions (/begin_weight_update "
-        f"answered 404), so SGLang never calls {hook}() after p2p writes its weights: the weights that model "
-        "derives after loading (MLA's absorbed projections and similar) would keep the old values while the rest "
-        f"is new; nothing was written. Fix: run the rollout on SGLang >= {SESSIONS_SINCE} (its weight-update "
-        "session runs post-load processing when the sync ends), or use verl's own weight sync for this model"
+        f"answered 404), so SGLang never calls {hook}() after p2p writes its weights: the tensors that model "
+        f"derives after loading ({what}) would keep the old values while the rest is new; nothing was written. "
+        f"Fix: run the rollout on SGLang >= {SESSIONS_SINCE} (its weight-update session runs post-load "
+        "processing when the sync ends), or use verl's own weight sync for this model"
     )
+
+
+def refuse_post_load_without_sessions(
+    hf_config: Any, server_args: Mapping[str, Any], layout: RankLayout, engine: int
+) -> None:
+    """Refuse (PostLoadWithoutSessionsError) when rollout `engine`, which has no sessions, runs a model class
+    that post-processes its weights after loading; return when its class has no such step."""
+    cls = model_class(hf_config, server_args, layout)
+    if hasattr(cls, POST_LOAD):
+        derives = [d.what for d in derivations_of_class(cls)]
+        refuse_without_sessions(f"{cls.__name__}.{POST_LOAD}", engine, server_args, derives)

@@ -19,6 +19,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from verl_p2p.errors import UnsupportedLayoutError
+from verl_p2p.replica.derived import DERIVATIONS, derivation_of, forget_derived, unexplained
 from verl_p2p.replica.rank_context import RankContext
 
 HFSpecs = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
@@ -117,6 +118,14 @@ def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, n = [], 1
+    for size in reversed(shape):
+        stride.append(n)
+        n *= size
+    return tuple(reversed(stride))
+
+
 def _scalar(value):
     if isinstance(value, torch.Tensor):
         return None
@@ -155,6 +164,8 @@ class _WriteRecorder(TorchDispatchMode):
         self.writes: dict[str, list[RecordedWrite]] = {name: [] for name in params}
         self.input_mutations: list[tuple[str, str]] = []
         self._mutated_args: dict = {}
+        # storage of a dim-0 concatenation of whole HF tensors -> [(hf name, rows)] (DeepSeek's fused q_a/kv_a)
+        self.concats: dict[int, list[tuple[str, int]]] = {}
 
     def _mutated(self, func) -> tuple[tuple[int, str], ...]:
         found = self._mutated_args.get(func)
@@ -200,6 +211,8 @@ class _WriteRecorder(TorchDispatchMode):
                 self.input_mutations.append((self.hf_of[key], str(func)))
             if origin:
                 origins[key] = origins.get(key, frozenset()) | origin
+        if func is torch.ops.aten.cat.default:
+            self._note_concat(args, kwargs, out)
         if not written:
             for o in outs:
                 if isinstance(o, torch.Tensor):
@@ -211,9 +224,52 @@ class _WriteRecorder(TorchDispatchMode):
                             origins.pop(key, None)
         return out
 
+    def _note_concat(self, args, kwargs, out: torch.Tensor) -> None:
+        """Remember `out` when it concatenates whole HF tensors along dim 0 (a copy from it splits by source)."""
+        tensors = args[0]
+        dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+        if not tensors or (dim if dim >= 0 else dim + out.dim()) != 0:
+            return
+        parts = []
+        for t in tensors:
+            hf = self.hf_of.get(_storage_key(t))
+            if hf is None or t.storage_offset() != 0 or not t.is_contiguous() or t.dim() != out.dim():
+                return
+            if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+                return  # a view of part of the HF tensor
+            parts.append((hf, t.shape[0]))
+        self.concats[_storage_key(out)] = parts
+
+    def _concat_writes(self, dst: torch.Tensor, src: torch.Tensor, op: str) -> list[RecordedWrite] | None:
+        """A copy of a whole recorded concatenation, as one replayable copy per HF tensor (rows of `dst`)."""
+        parts = self.concats.get(_storage_key(src))
+        if parts is None or src.storage_offset() != 0 or not src.is_contiguous() or dst.shape != src.shape:
+            return None
+        writes, row = [], 0
+        for hf, rows in parts:
+            shape = (rows, *src.shape[1:])
+            stride = _contiguous_stride(shape)
+            writes.append(
+                RecordedWrite(
+                    op=op,
+                    offset=dst.storage_offset() + row * dst.stride(0),
+                    shape=shape,
+                    stride=tuple(dst.stride()),
+                    source=SourceView(hf, 0, shape, stride),
+                    feeds=(hf,),
+                )
+            )
+            row += rows
+        return writes
+
     def _record(self, func, dst: torch.Tensor, args, origin: frozenset[str]) -> None:
         name = self.param_of[_storage_key(dst)]
         op, source, value = str(func), None, None
+        if func is torch.ops.aten.copy_.default and dst.dtype == self.dtype_of[name]:
+            split = self._concat_writes(dst, args[1], "copy")
+            if split is not None:
+                self.writes[name].extend(split)
+                return
         if func is torch.ops.aten.copy_.default:
             op = "copy"
             src = args[1]
@@ -241,15 +297,16 @@ class _WriteRecorder(TorchDispatchMode):
             )
         )
 
-    def derived_tensors(self, model: torch.nn.Module) -> list[str]:
-        """Module tensors that are not parameters but hold data computed from the checkpoint.
+    def derived_tensors(self, model: torch.nn.Module) -> dict[str, frozenset[str]]:
+        """Module tensors that are not parameters but hold data computed from the checkpoint, each with the
+        HF tensors its data came from.
 
         SGLang builds some after loading (e.g. DeepSeek's MLA `w_kc`/`w_vc` from `kv_b_proj` in
         `post_load_weights`). A rollout registers only its parameters for remote writes, so such a tensor
-        would keep its old values after a p2p sync.
+        is right after a p2p sync only if SGLang derives it again from written parameters (`derived.py`).
         """
         params = set(self.param_of)
-        found = []
+        found = {}
         for module_name, module in model.named_modules():
             attrs = {**module._buffers, **{k: v for k, v in vars(module).items() if isinstance(v, torch.Tensor)}}
             for attr, t in attrs.items():
@@ -257,7 +314,7 @@ class _WriteRecorder(TorchDispatchMode):
                     continue
                 key = _storage_key(t)
                 if key not in params and self.origins.get(key):
-                    found.append(f"{module_name}.{attr}" if module_name else attr)
+                    found[f"{module_name}.{attr}" if module_name else attr] = self.origins[key]
         return found
 
 
@@ -349,6 +406,8 @@ def capture_write_plan(ctx: RankContext, model: torch.nn.Module, hf_specs: HFSpe
             f"SGLang's loader modifies its input HF tensors in place ({recorder.input_mutations[:3]}); "
             "the replica would corrupt the caller's tensors"
         )
+    derived = recorder.derived_tensors(model)
+    forget_derived(model)
     order = {n: i for i, n in enumerate(hf_specs)}
     plans = {}
     for name, p in params.items():
@@ -365,21 +424,33 @@ def capture_write_plan(ctx: RankContext, model: torch.nn.Module, hf_specs: HFSpe
     plan = WritePlan(
         params=plans,
         hf_specs={k: (tuple(s), d) for k, (s, d) in hf_specs.items()},
-        derived=tuple(recorder.derived_tensors(model)),
+        derived=tuple(derived),
     )
     validate_write_plan(plan)
+    feeds = {name: p.feeds for name, p in plans.items()}
+    listed = {n: o for n, o in derived.items() if derivation_of(n, plans) is not None}
+    impure = unexplained(listed, feeds)
+    if impure:
+        raise WritePlanError(
+            "SGLang derives tensors of this model from more than the parameters a p2p sync writes, so its "
+            f"session end would not rebuild them from the new weights: {impure}"
+        )
     return plan
 
 
 def check_syncable(plan: WritePlan) -> None:
-    """Refuse a model whose rollout derives tensors from the checkpoint outside its parameters."""
-    if plan.derived:
+    """Refuse a model whose rollout derives tensors from the checkpoint that no allow-listed derivation
+    rebuilds from the parameters p2p writes (`derived.DERIVATIONS`; those need a rollout with sessions)."""
+    problems = unexplained(dict.fromkeys(plan.derived, frozenset()), {n: p.feeds for n, p in plan.params.items()})
+    if problems:
+        names = list(problems)
         raise WritePlanError(
-            f"SGLang computes {len(plan.derived)} non-parameter tensors of this model from its checkpoint after "
-            f"loading (e.g. {list(plan.derived[:3])}, built by the model's post_load_weights); a rollout registers "
-            "only its parameters for remote writes and no SGLang route re-derives them, so a p2p sync would leave "
-            "them stale. Use a model without such post-load processing, or a backend that calls SGLang's "
-            "update_weights"
+            f"SGLang computes {len(names)} non-parameter tensors of this model from its checkpoint after "
+            f"loading (e.g. {names[:3]}, built by the model's post_load_weights) that p2p does not know to be "
+            "rebuilt from the parameters it writes (allow-listed: "
+            f"{[d.what for d in DERIVATIONS]}); a rollout registers only its parameters for remote writes, so "
+            "a p2p sync would leave them stale. Use a model without such post-load processing, or a backend "
+            "that calls SGLang's update_weights"
         )
 
 

@@ -20,6 +20,7 @@ import torch
 
 from verl_p2p.errors import P2PError
 from verl_p2p.planning.layout import RankLayout
+from verl_p2p.replica.derived import post_load_skipped
 from verl_p2p.replica.plan import (
     HFSpecs,
     ParamPlan,
@@ -447,7 +448,8 @@ class RankReplica:
         feeds = self._feeds(p, hf_tensors)
         param = self._params[param_name]
         with self.ctx, torch.no_grad(), _swapped(param, view), _memoized_named_parameters(self.model, self._named_memo):
-            self.model.load_weights(iter(feeds))
+            with post_load_skipped(self.model):
+                self.model.load_weights(iter(feeds))
 
     def chunks(self, param_name: str, max_bytes: int) -> list[tuple[int, int]]:
         """Byte ranges (offset, nbytes) of at most `max_bytes`, cut at expert/row boundaries."""

@@ -24,6 +24,7 @@ from typing import Any
 from verl_p2p.config import config_field
 from verl_p2p.errors import P2PConfigError, UnsupportedLayoutError
 from verl_p2p.planning.layout import SPECULATIVE, check_reproducible, check_server_info, dp_problem, speculative_problem
+from verl_p2p.rollout.post_processing import check_device
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +154,7 @@ def check_live_server_args(server_info: Mapping[str, Any], engine: int | None = 
         check_reproducible(server_info)  # a layout the replica cannot write (pp, dp copies, EPLB, ...): refuse now
     except UnsupportedLayoutError as exc:
         raise UnsupportedLayoutError(f"{where}: {exc}") from exc
+    check_device(server_info, where)  # post-load processing p2p's bytes survive (rollout/post_processing.py)
     if SEED_FLAG not in server_info:
         raise P2PConfigError(
             f"{where} (SGLang {server_info.get('version', '?')}) reports no {SEED_FLAG}: p2p needs SGLang >= 0.5.12"

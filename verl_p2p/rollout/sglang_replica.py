@@ -11,16 +11,27 @@ import ray
 from verl.workers.rollout import replica as _verl_replica
 from verl.workers.rollout.sglang_rollout.async_sglang_server import SGLangHttpServer
 
-from verl_p2p.rollout.launch import apply_to_replica, repair_scheduler_info
+from verl_p2p.rollout.launch import apply_to_replica, repair_scheduler_info, sglang_kwargs, uses_p2p
+from verl_p2p.rollout.post_processing import check_platform, local_platform
 
 _load = getattr(_verl_replica.RolloutReplicaRegistry._registry.get("sglang"), "original", None)
 SGLangReplica = (_load or _verl_replica._load_sglang)()
 
 
+def platform_node() -> str:
+    import socket
+
+    return socket.gethostname()
+
+
 class P2PSGLangHttpServer(SGLangHttpServer):
-    """verl's SGLang server actor, with `/server_info` repaired after launch (`launch.repair_scheduler_info`)."""
+    """verl's SGLang server actor, with `/server_info` repaired after launch (`launch.repair_scheduler_info`);
+    with p2p, the platform it runs on is checked first (`post_processing.check_platform`)."""
 
     async def launch_server(self, *args, **kwargs):
+        if uses_p2p(self.config):  # where the server runs: its post-load processing must keep p2p's bytes
+            sglang = sglang_kwargs(self.config)
+            check_platform(local_platform(sglang.get("device")), f"rollout server on {platform_node()}")
         await super().launch_server(*args, **kwargs)
         from sglang.srt.entrypoints import http_server
 

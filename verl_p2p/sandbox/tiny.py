@@ -1,4 +1,5 @@
-"""Tiny HF checkpoints (Qwen2, Qwen3, Qwen3-MoE) for the demo, the tests and the benchmark.
+"""Tiny HF checkpoints (Qwen2, Qwen3, Qwen3-MoE, Llama, DeepSeek-V3, GLM-4.5, GLM-4.7-Flash) for the demo,
+the tests and the benchmark.
 
 Nothing is downloaded: configs are built in code and tensors generated. `id_encoded=True` gives every
 element of every tensor a distinct integer value (exact in float32 below 2**24), so a misplaced, missing or
@@ -16,7 +17,7 @@ import torch
 
 from verl_p2p.planning.hf_names import hf_tensor_specs
 
-ARCHS = ("qwen2", "qwen3", "qwen3_moe")
+ARCHS = ("qwen2", "qwen3", "qwen3_moe", "llama", "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite")
 
 _BASE = dict(
     vocab_size=256,
@@ -33,6 +34,87 @@ _BASE = dict(
     torch_dtype="float32",
 )
 _MOE = dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, norm_topk_prob=True)
+# DeepSeek-V3's published config.json (deepseek-ai/DeepSeek-V3; Kimi-K2 is the same class) at tiny sizes: MLA
+# with q and kv LoRA ranks and split rope/nope head dims, dense first layers (first_k_dense_replace), routed
+# experts with one shared expert, grouped sigmoid routing with a correction bias, and one multi-token-prediction
+# layer that the checkpoint written here leaves out (SGLang's main model skips it; its draft loads it).
+_DEEPSEEK_V3 = dict(
+    architectures=["DeepseekV3ForCausalLM"],
+    model_type="deepseek_v3",
+    num_hidden_layers=3,
+    num_key_value_heads=4,
+    moe_intermediate_size=32,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    first_k_dense_replace=1,
+    moe_layer_freq=1,
+    kv_lora_rank=32,
+    q_lora_rank=48,
+    qk_rope_head_dim=16,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    n_group=2,
+    topk_group=1,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    scoring_func="sigmoid",
+    topk_method="noaux_tc",
+    num_nextn_predict_layers=1,
+    hidden_act="silu",
+    # YaRN as published (factor 40 over 4096 positions), scaled to the tiny context
+    rope_scaling=dict(
+        type="yarn",
+        factor=4.0,
+        original_max_position_embeddings=128,
+        beta_fast=32,
+        beta_slow=1,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+    ),
+)
+
+# DeepSeek-V2-Lite's published config.json (deepseek-ai/DeepSeek-V2-Lite): MLA without a q LoRA (q_proj), two
+# shared experts, greedy softmax routing without a correction bias, no MTP layer.
+_DEEPSEEK_V2 = dict(
+    _DEEPSEEK_V3,
+    architectures=["DeepseekV2ForCausalLM"],
+    model_type="deepseek_v2",
+    q_lora_rank=None,
+    n_shared_experts=2,
+    n_group=1,
+    topk_group=1,
+    routed_scaling_factor=1.0,
+    norm_topk_prob=False,
+    scoring_func="softmax",
+    topk_method="greedy",
+    num_nextn_predict_layers=0,
+)
+# GLM-4.5's published config.json (zai-org/GLM-4.5; GLM-4.5-Air has the same structure) at tiny sizes: GQA
+# with qkv bias and partial rotary, dense first layers, routed experts with one shared expert, sigmoid routing
+# with a correction bias, one MTP layer the checkpoint written here leaves out.
+_GLM4_MOE = dict(
+    architectures=["Glm4MoeForCausalLM"],
+    model_type="glm4_moe",
+    num_hidden_layers=3,
+    attention_bias=True,
+    use_qk_norm=False,
+    partial_rotary_factor=0.5,
+    moe_intermediate_size=32,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    first_k_dense_replace=1,
+    n_group=1,
+    topk_group=1,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    num_nextn_predict_layers=1,
+    hidden_act="silu",
+)
+# GLM-4.7-Flash (zai-org/GLM-4.7-Flash): DeepSeek-style MLA (q/kv LoRA ranks, rope/nope head dims) on GLM's MoE,
+# w_kc / w_vc derived by the same post_load_weights; tiny sizes, MTP layer left out.
+_GLM4_MOE_LITE = dict(_DEEPSEEK_V3, architectures=["Glm4MoeLiteForCausalLM"], model_type="glm4_moe_lite")
 
 
 def tiny_config_dict(arch: str, **overrides) -> dict:
@@ -45,6 +127,19 @@ def tiny_config_dict(arch: str, **overrides) -> dict:
         cfg.pop("head_dim")
     elif arch == "qwen3":
         cfg.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3")
+    elif arch == "llama":
+        cfg.update(architectures=["LlamaForCausalLM"], model_type="llama", attention_bias=False, hidden_act="silu")
+    elif arch == "deepseek_v2":
+        cfg.pop("head_dim")
+        cfg.update(_DEEPSEEK_V2)
+    elif arch == "deepseek_v3":
+        cfg.pop("head_dim")
+        cfg.update(_DEEPSEEK_V3)
+    elif arch == "glm4_moe":
+        cfg.update(_GLM4_MOE)
+    elif arch == "glm4_moe_lite":
+        cfg.pop("head_dim")
+        cfg.update(_GLM4_MOE_LITE)
     else:
         cfg.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", mlp_only_layers=[], **_MOE)
     cfg.update(overrides)

@@ -17,6 +17,7 @@ from typing import Any
 from verl_p2p.backend.topology import Assignment
 from verl_p2p.config import P2PConfig
 from verl_p2p.errors import P2PConfigError, P2PError
+from verl_p2p.planning.shared_experts import check_replica_fusion, rollout_fusion_args
 
 logger = logging.getLogger(__name__)
 
@@ -90,15 +91,27 @@ class SourceSession:
         self.apply_error = None
         targets = []
         try:
+            server_infos = {}  # per target: the rollout's server args with its shared-experts fusion decision
             for target in assignment.targets:  # refusals first: nothing is allocated for a plan that cannot run
                 if target.engine in assignment.sessionless_engines:
                     self._refuse_without_sessions(
                         target, assignment.server_infos[target.engine], assignment.layouts[target]
                     )
+                server_infos[target] = rollout_fusion_args(
+                    self._rollout_hf_config(),
+                    assignment.server_infos[target.engine],
+                    assignment.rank_infos[target].params,
+                    f"rollout engine {target.engine} rank {target.rank}",
+                )
             if assignment.targets:
                 self._open_transport()
             for target in assignment.targets:
-                replica = self._replica(assignment.server_infos[target.engine], assignment.layouts[target])
+                replica = self._replica(server_infos[target], assignment.layouts[target])
+                check_replica_fusion(
+                    replica.plan.params,
+                    assignment.rank_infos[target].params,
+                    f"rollout engine {target.engine} rank {target.rank}",
+                )
                 part = assignment.parts.get(target, (0, 1))
                 targets.append(PushTarget(target, self._executor(replica), assignment.rank_infos[target], part))
             self._prepare_executors(targets)
@@ -162,12 +175,10 @@ class SourceSession:
         """A rollout without weight-update sessions never runs SGLang's post-load processing after our writes:
         refuse a model that needs it (its derived weights would keep the old values)."""
         try:
-            from verl_p2p.replica.model_class import post_load_hook, refuse_without_sessions
+            from verl_p2p.replica.model_class import refuse_post_load_without_sessions
         except ImportError as exc:
             raise _NO_SGLANG(exc) from exc
-        hook = post_load_hook(self._rollout_hf_config(), server_info, layout)
-        if hook is not None:
-            refuse_without_sessions(hook, target.engine, server_info)
+        refuse_post_load_without_sessions(self._rollout_hf_config(), server_info, layout, target.engine)
 
     def _stage_share(self, assignment: Assignment) -> Any:
         """With PP > 1, the part of every rollout rank this stage writes (the HF names it exports). Every rank

@@ -27,6 +27,7 @@ KWARGS = "actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs"
 RECIPES = sorted((ROOT / "recipes").glob("*.sh"))
 RECIPES = [r for r in RECIPES if r.name != "common.sh"]
 TINY = ROOT / "recipes" / "tiny_grpo_2gpu.sh"  # checks its own weights by default; see test_tiny_recipe.py
+TINY_RECIPES = (TINY, ROOT / "recipes" / "tiny_fully_async_2gpu.sh")
 
 
 def check_p2p_config(cfg, module: str) -> RolloutConfig:
@@ -121,8 +122,9 @@ def test_recipe_composes_and_resolves(script: Path):
     assert cfg.algorithm.adv_estimator == "grpo"
     assert cfg.actor_rollout_ref.actor.strategy == "megatron"
     assert rollout_config.name == "sglang"
-    assert rollout_config.checkpoint_engine.engine_kwargs["verl_p2p"]["check_weight_update_equal"] is (script == TINY)
-    assert ("Qwen3" in cfg.actor_rollout_ref.model.path) is (script != TINY)
+    tiny = script in TINY_RECIPES
+    assert rollout_config.checkpoint_engine.engine_kwargs["verl_p2p"]["check_weight_update_equal"] is tiny
+    assert ("Qwen3" in cfg.actor_rollout_ref.model.path) is not tiny
     if module == "verl.trainer.main_ppo":
         assert cfg.trainer.v1.trainer_mode == "separate_async"
         assert cfg.data.train_batch_size == (

@@ -154,9 +154,11 @@ def test_lifecycle_order_on_three_engines_in_parallel(engines, mirror):
                 assert resume_kv["state"]["released_tags"] == [] and release["state"]["released_tags"] == ["kv_cache"]
                 # the one-sided writes happened inside the session, before the version moved; the flush after them
                 assert begin["time"] <= mirror.started and mirror.finished <= bump["time"] <= flush["time"]
-                # every rank's published info was (re-)read, overlapped with abort..begin, before the push
+                # every rank's published info was read before the pause (connect, while the rollout still
+                # generates) and re-read inside it (the recheck, overlapped with abort..begin), before the push
                 reads = [e for e in events if e["path"] == RANK_READ]
-                assert len(reads) == engine.spec.tp and all(e["time"] <= mirror.started for e in reads)
+                assert len(reads) == 2 * engine.spec.tp and all(e["time"] <= mirror.started for e in reads)
+                assert sum(e["time"] < pause["time"] for e in reads) == engine.spec.tp
                 assert [e["path"] for e in events if e["method"] == "GET" and e["path"] != RANK_READ] == (
                     ["/server_info"] if version == 1 else []
                 )

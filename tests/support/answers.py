@@ -350,7 +350,7 @@ def server_info_cases() -> list[Case]:
         Case("seed flag off", _server(**{SEED_FLAG: False}), "does not publish its weight memory"),
         Case("seed off, saver on", _server(**{SEED_FLAG: False, MEMORY_SAVER: True}), "memory saver"),
         Case("version=0.5", _server(version=0.5), "version=0.5 is not a release string"),
-        Case("quantization=fp8", _server(quantization="fp8"), "quantization 'fp8'"),
+        Case("quantization=fp8", _server(quantization="fp8"), "quantization='fp8'"),
         Case("dtype=bfloat16", _server(dtype="bfloat16"), "x 2 B"),  # the plan's sizes disagree with the rank info
     ]
     return [Case(f"server-info {i:02d}: {c.id}", c.apply, c.needle) for i, c in enumerate(cases)]

@@ -167,6 +167,8 @@ class RealSoak:
             mem_fraction=options.mem_fraction,
             seed=0,
             probe_timeout=options.probe_timeout,
+            fp8=False,  # the soak's rollout serves the trainer's own bf16 checkpoint
+            raw_syncs=0,  # no raw-replay figures: every sync is a plain one
         )
         (workdir / options.model).mkdir(parents=True, exist_ok=True)
         self.harness = Harness(args, options.model, 0, workdir / options.model)

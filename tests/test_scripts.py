@@ -34,6 +34,7 @@ CHECKS = {
     "measure_verify_first_push.py": SMOKE,  # --smoke: tiny model, one repeat
     "gpu_e2e.sh": SHELL,
     "gpu_grpo_run.sh": SHELL,
+    "gpu_stack_install.sh": SHELL,  # and --dry-run below
     "gpu_wheels.sh": SHELL,
     "setup.sh": SHELL,
 }
@@ -164,3 +165,69 @@ def test_measure_verify_first_push_smoke(tmp_path):
     run("scripts/measure_verify_first_push.py", "--smoke", "--out", str(out), timeout=400)
     result = json.loads(out.read_text())
     assert result, "the script wrote an empty report"
+
+
+# ---- the SGLang 0.5.21 stack: the part checks and commands of its install, without a GPU -----------------------
+
+
+def _carried_parts(tmp_path: Path) -> Path:
+    """A carried folder as `gpu_wheels.sh --sglang 0.5.21` leaves it: a tar of wheels split in parts, their sums."""
+    carried = tmp_path / "carried"
+    carried.mkdir()
+    (carried / "part.aa").write_bytes(b"first part of the wheels tar")
+    (carried / "part.ab").write_bytes(b"second part")
+    sums = subprocess.run(["sha256sum", "part.aa", "part.ab"], cwd=carried, capture_output=True, text=True, check=True)
+    (carried / "parts.sha256").write_text(sums.stdout)
+    return carried
+
+
+def _install_dry_run(tmp_path: Path, carried: Path) -> subprocess.CompletedProcess:
+    args = [
+        "--dry-run",
+        "--carried",
+        str(carried),
+        "--stack",
+        str(tmp_path / "stack"),
+        "--site",
+        str(tmp_path / "site"),
+    ]
+    return subprocess.run(["bash", str(SCRIPTS / "gpu_stack_install.sh"), *args], capture_output=True, text=True)
+
+
+def test_gpu_stack_install_dry_run_checks_the_parts_and_prints_the_commands(tmp_path):
+    done = _install_dry_run(tmp_path, _carried_parts(tmp_path))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "parts ok: 2 in" in done.stdout
+    site = tmp_path / "site"
+    pip = f"python3 -m pip install -q --no-index --no-deps --no-compile --target {site} {tmp_path}/stack/wheels/*.whl"
+    assert pip in done.stdout
+    assert f"ln -sfn sm90 {site}/sgl_kernel/sm100" in done.stdout
+    assert done.stdout.splitlines()[-1] == f"export PYTHONPATH={site}:{ROOT}"
+    assert not site.exists() and not (tmp_path / "stack").exists(), "a dry run installs nothing"
+
+
+def test_gpu_stack_install_dry_run_refuses_a_damaged_or_missing_part(tmp_path):
+    carried = _carried_parts(tmp_path)
+    (carried / "part.ab").write_bytes(b"second part, cut")
+    done = _install_dry_run(tmp_path, carried)
+    assert done.returncode == 3 and "damaged" in done.stdout, done.stdout + done.stderr
+    (carried / "part.ab").unlink()
+    done = _install_dry_run(tmp_path, carried)
+    assert done.returncode == 3 and f"missing {carried}/part.ab" in done.stdout, done.stdout + done.stderr
+
+
+def test_stack_scripts_name_an_unknown_sglang_version(tmp_path):
+    done = subprocess.run(
+        ["bash", str(SCRIPTS / "gpu_wheels.sh"), "--sglang", "0.4.0", str(tmp_path / "dest")],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2 and "builds 0.5.12 (the default) or 0.5.21" in done.stderr, done.stderr
+    assert not (tmp_path / "dest").exists()
+    e2e = subprocess.run(
+        ["bash", str(SCRIPTS / "gpu_e2e.sh")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "SGLANG_STACK": "0.4.0", "OUT": str(tmp_path / "out")},
+    )
+    assert e2e.returncode == 2 and "SGLANG_STACK=0.4.0: expected 0.5.12" in e2e.stderr, e2e.stderr

@@ -46,7 +46,10 @@ run() {  # print, and run unless --dry-run
 # 1. the part list: parts.sha256 names every part; each must be there, whole.
 check_parts() {
     local dir=$1 sums="$1/parts.sha256"
-    [[ -f "$sums" ]] || { echo "no $sums: carry parts.sha256 with a part (scripts/gpu_wheels.sh --sglang 0.5.21 writes it)"; return 3; }
+    if [[ ! -f "$sums" ]]; then
+        echo "no $sums: carry parts.sha256 with a part (scripts/gpu_wheels.sh --sglang 0.5.21 writes it)"
+        return 3
+    fi
     local missing=0 name
     while read -r _ name; do
         [[ -f "$dir/$name" ]] || { echo "missing $dir/$name: carry it in an earlier call"; missing=1; }

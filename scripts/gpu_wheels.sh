@@ -79,10 +79,11 @@ energon=(megatron-energon==7.4.1 multi-storage-client==1.3.1 webdataset==1.0.2 b
 # SGLang 0.5.21 pins torch==2.13.0. Against the device's torch 2.11.0+cu130 set, torch 2.13.0's METADATA changes
 # cuda-toolkit 13.0.2 -> 13.0.3 (of its parts only cuBLAS, 13.1.0.3 -> 13.1.1.3), cuDNN 9.19.0.56 -> 9.20.0.48,
 # cuSPARSELt 0.8.0 -> 0.8.1, NCCL 2.28.9 -> 2.29.7 and triton 3.6.0 -> 3.7.1. Travelling: NCCL (torch 2.13's libraries
-# call ncclCommSuspend, ncclSignal, ... which 2.28.9 lacks), cuDNN (torch refuses a runtime cuDNN older than the one it
-# was built with) and triton (pinned exactly). Staying behind: cuBLAS and cuSPARSELt, whose device builds export every
-# symbol torch 2.13's libraries import (checked with nm -D) and which torch does not version-check. torchvision 0.28.0
-# travels because transformers imports torchvision when it is installed, and the device's 0.26 is built for torch 2.11.
+# call ncclCommSuspend, ncclSignal, ... which 2.28.9 lacks), cuDNN (torch refuses a runtime cuDNN older than the one
+# it was built with, and torch._C._cudnn.getCompileVersion() is 9.20.0) and triton (pinned exactly). Staying behind:
+# cuBLAS and cuSPARSELt, whose device builds export every symbol torch 2.13's libraries import (nm -D) and which
+# torch does not version-check. torchvision 0.28.0 travels because transformers imports torchvision when it is
+# installed, and the device's 0.26 is built for torch 2.11.
 torch_0521=(torch==2.13.0 triton==3.7.1 nvidia-cudnn-cu13==9.20.0.48 nvidia-nccl-cu13==2.29.7 torchvision==0.28.0)
 # The server and its pins; the rest of its needs are those of 0.5.12 above (same names, same versions).
 sglang_0521=(sglang==0.5.21 sglang-kernel==0.4.7 flashinfer-python==0.6.18 xgrammar==0.2.7 transformers==5.12.1
@@ -91,7 +92,7 @@ sglang_0521=(sglang==0.5.21 sglang-kernel==0.4.7 flashinfer-python==0.6.18 xgram
 # Members left out of a wheel (zip -d, no recompression): never loaded on the device's run. sglang-kernel: the triton
 # attention path never loads FlashAttention-3 (flash_ops, 1 GiB unpacked), FlashMLA, InfLLM (built for CPython 3.10)
 # or the sm100 build (the H200 is sm90; gpu_stack_install.sh links sm100 -> sm90 for processes that see no GPU).
-# Ray: as for 0.5.12 (jars, dashboard client, the libraries the run never imports).
+# Ray, Mooncake, pulp, Megatron-Bridge's recipes: as for 0.5.12 (what the run never imports).
 strip_0521() {
     case "$1" in
         sglang_kernel-*) echo 'sgl_kernel/flash_ops.abi3.so sgl_kernel/flashmla_ops.abi3.so' \
@@ -102,6 +103,9 @@ strip_0521() {
             'mooncake/transfer_engine_bench mooncake/_store.cpython-*.so mooncake/_ep.cpython-*.so' \
             'mooncake/libmooncake_pg*.so mooncake/libmooncake_ep_device.so' ;;
         pulp-*) echo 'pulp/solverdir/* pulp/tests/*' ;;
+        # triton: the sm100+ assembler, static archives, the instrumentation test library
+        triton-*) echo 'triton/backends/nvidia/bin/ptxas-blackwell triton/backends/nvidia/lib/cupti/*.a' \
+            'triton/instrumentation/libGPUInstrumentationTestLib.so' ;;
         megatron_bridge-*) echo 'megatron/bridge/recipes/*' ;;
     esac
 }

@@ -214,6 +214,9 @@ def test_gpu_stack_install_dry_run_refuses_a_damaged_or_missing_part(tmp_path):
     (carried / "part.ab").unlink()
     done = _install_dry_run(tmp_path, carried)
     assert done.returncode == 3 and f"missing {carried}/part.ab" in done.stdout, done.stdout + done.stderr
+    (carried / "parts.sha256").unlink()
+    done = _install_dry_run(tmp_path, carried)
+    assert done.returncode == 3 and f"no {carried}/parts.sha256" in done.stdout, done.stdout + done.stderr
 
 
 def test_stack_scripts_name_an_unknown_sglang_version(tmp_path):

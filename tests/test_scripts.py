@@ -234,3 +234,49 @@ def test_stack_scripts_name_an_unknown_sglang_version(tmp_path):
         env={**os.environ, "SGLANG_STACK": "0.4.0", "OUT": str(tmp_path / "out")},
     )
     assert e2e.returncode == 2 and "SGLANG_STACK=0.4.0: expected 0.5.12" in e2e.stderr, e2e.stderr
+
+
+def _wheel_specs(tmp_path: Path, *args: str) -> list[str]:
+    """The requirement list `gpu_wheels.sh` hands to `pip download` (a stand-in python records it and stops)."""
+    record = tmp_path / "argv.txt"
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$@" > {record}\nexit 1\n')
+    fake.chmod(0o755)
+    done = subprocess.run(
+        ["bash", str(SCRIPTS / "gpu_wheels.sh"), *args, str(tmp_path / "dest")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHON": str(fake)},
+    )
+    assert done.returncode == 1, done.stderr
+    argv = record.read_text().split("\n")
+    assert argv[:2] == ["-m", "pip"] and "download" in argv and str(tmp_path / "dest" / "wheels") in argv
+    return [a for a in argv if "==" in a]
+
+
+def test_gpu_wheels_sglang_0521_overrides_the_pins_it_changes_and_keeps_the_rest(tmp_path):
+    old = _wheel_specs(tmp_path)
+    new = _wheel_specs(tmp_path, "--sglang", "0.5.21")
+    assert {"sglang==0.5.12", "transformers==5.10.4", "flashinfer-python==0.6.11.post1"} <= set(old)
+    assert not any(s.startswith("torch==") for s in old), "the 0.5.12 stack runs on the device's torch"
+    assert {
+        "sglang==0.5.21",
+        "sglang-kernel==0.4.7",
+        "torch==2.13.0",
+        "triton==3.7.1",
+        "transformers==5.12.1",
+        "nvidia-nccl-cu13==2.29.7",
+        "nvidia-cudnn-cu13==9.20.0.48",
+        "compressed-tensors==0.18.0",
+    } <= set(new)
+    names = [s.split("==")[0] for s in new]
+    assert len(names) == len(set(names)), f"a package pinned twice: {sorted(n for n in names if names.count(n) > 1)}"
+    changed = {s.split("==")[0] for s in new} & {s.split("==")[0] for s in old}
+    kept = {s for s in old if s.split("==")[0] in changed} & set(new)
+    assert {
+        "verl==0.9.1",
+        "megatron-core==0.19.2",
+        "megatron-bridge==0.6.2",
+        "ray==2.60.0",
+        "mooncake-transfer-engine-cuda13==0.3.14",
+    } <= kept

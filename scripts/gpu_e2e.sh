@@ -2,13 +2,22 @@
 # On the H200 machine: unpack the carried stack once (scripts/gpu_wheels.sh builds it; its parts are copied to
 # $STACK by earlier calls), then prove p2p syncs into real SGLang GPU servers: `verl-p2p e2e --rollout sglang`.
 # The JSON report, the run's log and the servers' logs go to $OUT. Extra arguments go to `verl-p2p e2e`.
+# SGLANG_STACK=0.5.21: the SGLang 0.5.21 / torch 2.13 stack instead (`scripts/gpu_wheels.sh --sglang 0.5.21`), installed
+# into $SITE21 (default /tmp/site21) by scripts/gpu_stack_install.sh from the parts in /tmp/stack21.
 set -uo pipefail
 STACK=${STACK:-/tmp/stack}
 SITE_ROOT=${SITE_ROOT:-/tmp}  # scripts/gpu_wheels.sh's parts unpack to $SITE_ROOT/site
 SITE="$SITE_ROOT/site"
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-if [ ! -d "$SITE/verl" ]; then
+if [ "${SGLANG_STACK:-0.5.12}" = 0.5.21 ]; then
+  SITE=${SITE21:-/tmp/site21}
+  SITE21="$SITE" bash "$(dirname "$0")/gpu_stack_install.sh" 2>&1 | tee "$OUT/install.txt"
+  [ "${PIPESTATUS[0]}" = 0 ] || exit 3
+elif [ "${SGLANG_STACK:-0.5.12}" != 0.5.12 ]; then
+  echo "SGLANG_STACK=$SGLANG_STACK: expected 0.5.12 (the default) or 0.5.21" >&2
+  exit 2
+elif [ ! -d "$SITE/verl" ]; then
   cat "$STACK"/part.* | python3 -c 'import sys, tarfile
 tarfile.open(fileobj=sys.stdin.buffer, mode="r|xz").extractall(sys.argv[1], filter="tar")' "$SITE_ROOT" || exit 3
 fi

@@ -6,6 +6,7 @@
 # pruned, packed as tar.xz and split into parts of at most 60 MiB.
 #
 # Usage: bash scripts/gpu_wheels.sh [DEST]        (DEST defaults to .gpu-grpo/, git-ignored)
+#        bash scripts/gpu_wheels.sh --sglang 0.5.21 [DEST]   (DEST defaults to .gpu-stack-0521/; see build_0521 below)
 # Output: DEST/part.aa, part.ab, ...   Carry one part per device call into /tmp/stack, then on the device:
 #   cat /tmp/stack/part.* | python3 -c 'import sys,tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode="r|xz").extractall("/tmp", filter="tar")'
 #   export PYTHONPATH=/tmp/site:$PWD CUDA_HOME=/usr/local/cuda
@@ -20,7 +21,20 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
-dest=${1:-.gpu-grpo}
+sglang_version=0.5.12
+if [[ "${1:-}" == --sglang ]]; then
+    sglang_version=${2:?--sglang needs a version: 0.5.12 or 0.5.21}
+    shift 2
+fi
+case "$sglang_version" in
+    0.5.12) default_dest=.gpu-grpo ;;
+    0.5.21) default_dest=.gpu-stack-0521 ;;
+    *)
+        echo "--sglang $sglang_version: this script builds 0.5.12 (the default) or 0.5.21" >&2
+        exit 2
+        ;;
+esac
+dest=${1:-$default_dest}
 python=${PYTHON:-.venv/bin/python}
 mkdir -p "$dest"
 dest="$(cd "$dest" && pwd)"
@@ -61,6 +75,121 @@ megatron=(megatron-core==0.19.2 megatron-bridge==0.6.2 nvidia-modelopt==0.44.0 p
 energon=(megatron-energon==7.4.1 multi-storage-client==1.3.1 webdataset==1.0.2 braceexpand==0.1.7 filetype==1.2.0
     mfusepy==3.1.1 rapidyaml==0.15.2 deprecation==2.1.0 xattr==1.3.1 jmespath==1.1.0 wcmatch==10.1 bracex==2.6
     lark==1.3.1 prettytable==3.17.0 wcwidth==0.2.14 pyroute2==0.9.7 tzdata==2025.3)
+
+# SGLang 0.5.21 pins torch==2.13.0. Against the device's torch 2.11.0+cu130 set, torch 2.13.0's METADATA changes
+# cuda-toolkit 13.0.2 -> 13.0.3 (of its parts only cuBLAS, 13.1.0.3 -> 13.1.1.3), cuDNN 9.19.0.56 -> 9.20.0.48,
+# cuSPARSELt 0.8.0 -> 0.8.1, NCCL 2.28.9 -> 2.29.7 and triton 3.6.0 -> 3.7.1. Travelling: NCCL (torch 2.13's libraries
+# call ncclCommSuspend, ncclSignal, ... which 2.28.9 lacks), cuDNN (torch refuses a runtime cuDNN older than the one
+# it was built with, and torch._C._cudnn.getCompileVersion() is 9.20.0) and triton (pinned exactly). Staying behind:
+# cuBLAS and cuSPARSELt, whose device builds export every symbol torch 2.13's libraries import (nm -D) and which
+# torch does not version-check. torchvision 0.28.0 travels because transformers imports torchvision when it is
+# installed, and the device's 0.26 is built for torch 2.11.
+torch_0521=(torch==2.13.0 triton==3.7.1 nvidia-cudnn-cu13==9.20.0.48 nvidia-nccl-cu13==2.29.7 torchvision==0.28.0)
+# The server and its pins; the rest of its needs are those of 0.5.12 above (same names, same versions).
+sglang_0521=(sglang==0.5.21 sglang-kernel==0.4.7 flashinfer-python==0.6.18 xgrammar==0.2.7 transformers==5.12.1
+    tokenizers==0.22.2 apache-tvm-ffi==0.1.11 compressed-tensors==0.18.0)
+
+# Members left out of a wheel (zip -d, no recompression): never loaded on the device's run. sglang-kernel: the triton
+# attention path never loads FlashAttention-3 (flash_ops, 1 GiB unpacked), FlashMLA, InfLLM (built for CPython 3.10)
+# or the sm100 build (the H200 is sm90; gpu_stack_install.sh links sm100 -> sm90 for processes that see no GPU).
+# Ray, Mooncake, pulp, Megatron-Bridge's recipes: as for 0.5.12 (what the run never imports).
+strip_0521() {
+    case "$1" in
+        sglang_kernel-*) echo 'sgl_kernel/flash_ops.abi3.so sgl_kernel/flashmla_ops.abi3.so' \
+            'sgl_kernel/infllm_ops.cpython-310-*.so sgl_kernel/sm100/*' ;;
+        ray-*) echo 'ray/jars/* ray/dashboard/client/* ray/tests/* ray/air/tests/* ray/serve/* ray/rllib/*' \
+            'ray/tune/* ray/train/* ray/data/* ray/llm/*' ;;
+        mooncake_transfer_engine_cuda13-*) echo 'mooncake/mooncake_client mooncake/mooncake_master' \
+            'mooncake/transfer_engine_bench mooncake/_store.cpython-*.so mooncake/_ep.cpython-*.so' \
+            'mooncake/libmooncake_pg*.so mooncake/libmooncake_ep_device.so' ;;
+        pulp-*) echo 'pulp/solverdir/* pulp/tests/*' ;;
+        # triton: the sm100+ assembler, static archives, the instrumentation test library
+        triton-*) echo 'triton/backends/nvidia/bin/ptxas-blackwell triton/backends/nvidia/lib/cupti/*.a' \
+            'triton/instrumentation/libGPUInstrumentationTestLib.so' ;;
+        megatron_bridge-*) echo 'megatron/bridge/recipes/*' ;;
+    esac
+}
+
+# Drop members matching the patterns from a copy of a wheel and from its RECORD (pip installs what the zip holds).
+strip_wheel() {
+    local whl=$1
+    shift
+    set -f
+    local pats=($*)
+    set +f
+    zip -q -d "$whl" "${pats[@]}" >/dev/null || { [[ $? == 12 ]] || return 1; }  # 12: nothing matched
+    "$python" - "$whl" <<'PY'
+import sys, zipfile
+whl = sys.argv[1]
+with zipfile.ZipFile(whl) as z:
+    names = set(z.namelist())
+    record = next(n for n in names if n.endswith(".dist-info/RECORD"))
+    rows = z.read(record).decode().splitlines()
+kept = [r for r in rows if r.split(",")[0] in names or r.split(",")[0] == record]
+with open(whl + ".RECORD", "w") as f:
+    f.write("\n".join(kept) + "\n")
+print(record)
+PY
+}
+
+build_0521() {
+    local spec name keep s
+    local sglang_all=("${sglang_0521[@]}")
+    for spec in "${sglang[@]}"; do
+        name=${spec%%==*} keep=1
+        for s in "${sglang_0521[@]}"; do [[ "${s%%==*}" == "$name" ]] && keep=0; done
+        if ((keep)); then sglang_all+=("$spec"); fi
+    done
+    local all=("${torch_0521[@]}" "${sglang_all[@]}" "${verl[@]}" "${megatron[@]}" "${energon[@]}")
+    local wheels="$dest/wheels" carry="$dest/carry"
+    local stamp
+    stamp="$(printf '%s\n' "${all[@]}" | sha256sum | cut -c1-16)"
+    [[ "$(cat "$dest/.stamp" 2>/dev/null)" == "$stamp" ]] || rm -rf "$wheels"  # a changed list starts afresh
+    rm -rf "$carry" "$dest"/part.* "$dest/parts.sha256"
+    mkdir -p "$wheels" "$carry"
+    local t0=$SECONDS
+    # pip skips a wheel already in $wheels: a second run downloads nothing
+    # NCCL's wheel is tagged manylinux_2_18 only (not in the 0.5.12 list, which stays as it is)
+    "$python" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${plat[@]}" \
+        --platform manylinux_2_18_x86_64 -d "$wheels" "${all[@]}"
+    compgen -G "$wheels/antlr4_python3_runtime-4.9.3-*.whl" >/dev/null ||
+        "$python" -m pip wheel -q --no-deps -w "$wheels" antlr4-python3-runtime==4.9.3
+    echo "$stamp" >"$dest/.stamp"
+    echo "downloaded in $((SECONDS - t0)) s: $(ls "$wheels" | wc -l) wheels, $(du -sm "$wheels" | cut -f1) MiB"
+
+    local whl base pats record
+    for whl in "$wheels"/*.whl; do
+        base=$(basename "$whl")
+        pats=$(strip_0521 "$base")
+        if [[ -z "$pats" ]]; then
+            ln "$whl" "$carry/$base" 2>/dev/null || cp "$whl" "$carry/$base"
+            continue
+        fi
+        cp "$whl" "$carry/$base"
+        # shellcheck disable=SC2086
+        record=$(strip_wheel "$carry/$base" $pats)
+        mkdir -p "$carry/.rec/$(dirname "$record")"
+        mv "$carry/$base.RECORD" "$carry/.rec/$record"
+        (cd "$carry/.rec" && zip -q "../$base" "$record")
+        rm -rf "$carry/.rec"
+        echo "stripped $base: $(($(stat -c %s "$whl") >> 20)) -> $(($(stat -c %s "$carry/$base") >> 20)) MiB"
+    done
+    # Largest first: the big wheels fill whole parts; the split is of a plain tar (the wheels are zips already).
+    (cd "$carry" && ls -S -- *.whl >"$dest/wheels.txt")
+    tar -C "$carry" -cf - -T "$dest/wheels.txt" | split -b 60M - "$dest/part."
+    (cd "$dest" && sha256sum part.* >parts.sha256)
+    rm -rf "$carry"
+    ls -la "$dest"/part.*
+    echo "$(ls "$dest"/part.* | wc -l) part(s), $(du -cm "$dest"/part.* | tail -1 | cut -f1) MiB in $dest, built in" \
+        "$((SECONDS - t0)) s: carry one per device call (with parts.sha256), the last with the run (recipes/README.md)"
+}
+
+# The SGLang 0.5.21 stack (weight-update sessions): torch 2.13 and its changed CUDA libraries travel too, as the
+# wheels themselves (already compressed: no xz), tar'd and split; scripts/gpu_stack_install.sh installs them there.
+if [[ "$sglang_version" == 0.5.21 ]]; then
+    build_0521
+    exit 0
+fi
 
 wheels="$dest/wheels"
 stamp="$(printf '%s\n' "${sglang[@]}" "${verl[@]}" "${megatron[@]}" "${energon[@]}" | sha256sum | cut -c1-16)"

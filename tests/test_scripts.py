@@ -34,6 +34,7 @@ CHECKS = {
     "measure_verify_first_push.py": SMOKE,  # --smoke: tiny model, one repeat
     "gpu_e2e.sh": SHELL,
     "gpu_grpo_run.sh": SHELL,
+    "gpu_stack_install.sh": SHELL,  # and --dry-run below
     "gpu_wheels.sh": SHELL,
     "setup.sh": SHELL,
 }
@@ -164,3 +165,118 @@ def test_measure_verify_first_push_smoke(tmp_path):
     run("scripts/measure_verify_first_push.py", "--smoke", "--out", str(out), timeout=400)
     result = json.loads(out.read_text())
     assert result, "the script wrote an empty report"
+
+
+# ---- the SGLang 0.5.21 stack: the part checks and commands of its install, without a GPU -----------------------
+
+
+def _carried_parts(tmp_path: Path) -> Path:
+    """A carried folder as `gpu_wheels.sh --sglang 0.5.21` leaves it: a tar of wheels split in parts, their sums."""
+    carried = tmp_path / "carried"
+    carried.mkdir()
+    (carried / "part.aa").write_bytes(b"first part of the wheels tar")
+    (carried / "part.ab").write_bytes(b"second part")
+    sums = subprocess.run(["sha256sum", "part.aa", "part.ab"], cwd=carried, capture_output=True, text=True, check=True)
+    (carried / "parts.sha256").write_text(sums.stdout)
+    return carried
+
+
+def _install_dry_run(tmp_path: Path, carried: Path) -> subprocess.CompletedProcess:
+    args = [
+        "--dry-run",
+        "--carried",
+        str(carried),
+        "--stack",
+        str(tmp_path / "stack"),
+        "--site",
+        str(tmp_path / "site"),
+    ]
+    return subprocess.run(["bash", str(SCRIPTS / "gpu_stack_install.sh"), *args], capture_output=True, text=True)
+
+
+def test_gpu_stack_install_dry_run_checks_the_parts_and_prints_the_commands(tmp_path):
+    done = _install_dry_run(tmp_path, _carried_parts(tmp_path))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "parts ok: 2 in" in done.stdout
+    site = tmp_path / "site"
+    pip = f"python3 -m pip install -q --no-index --no-deps --no-compile --target {site} {tmp_path}/stack/wheels/*.whl"
+    assert pip in done.stdout
+    assert f"ln -sfn sm90 {site}/sgl_kernel/sm100" in done.stdout
+    assert done.stdout.splitlines()[-1] == f"export PYTHONPATH={site}:{ROOT}"
+    assert not site.exists() and not (tmp_path / "stack").exists(), "a dry run installs nothing"
+
+
+def test_gpu_stack_install_dry_run_refuses_a_damaged_or_missing_part(tmp_path):
+    carried = _carried_parts(tmp_path)
+    (carried / "part.ab").write_bytes(b"second part, cut")
+    done = _install_dry_run(tmp_path, carried)
+    assert done.returncode == 3 and "damaged" in done.stdout, done.stdout + done.stderr
+    (carried / "part.ab").unlink()
+    done = _install_dry_run(tmp_path, carried)
+    assert done.returncode == 3 and f"missing {carried}/part.ab" in done.stdout, done.stdout + done.stderr
+    (carried / "parts.sha256").unlink()
+    done = _install_dry_run(tmp_path, carried)
+    assert done.returncode == 3 and f"no {carried}/parts.sha256" in done.stdout, done.stdout + done.stderr
+
+
+def test_stack_scripts_name_an_unknown_sglang_version(tmp_path):
+    done = subprocess.run(
+        ["bash", str(SCRIPTS / "gpu_wheels.sh"), "--sglang", "0.4.0", str(tmp_path / "dest")],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2 and "builds 0.5.12 (the default) or 0.5.21" in done.stderr, done.stderr
+    assert not (tmp_path / "dest").exists()
+    e2e = subprocess.run(
+        ["bash", str(SCRIPTS / "gpu_e2e.sh")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "SGLANG_STACK": "0.4.0", "OUT": str(tmp_path / "out")},
+    )
+    assert e2e.returncode == 2 and "SGLANG_STACK=0.4.0: expected 0.5.12" in e2e.stderr, e2e.stderr
+
+
+def _wheel_specs(tmp_path: Path, *args: str) -> list[str]:
+    """The requirement list `gpu_wheels.sh` hands to `pip download` (a stand-in python records it and stops)."""
+    record = tmp_path / "argv.txt"
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$@" > {record}\nexit 1\n')
+    fake.chmod(0o755)
+    done = subprocess.run(
+        ["bash", str(SCRIPTS / "gpu_wheels.sh"), *args, str(tmp_path / "dest")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHON": str(fake)},
+    )
+    assert done.returncode == 1, done.stderr
+    argv = record.read_text().split("\n")
+    assert argv[:2] == ["-m", "pip"] and "download" in argv and str(tmp_path / "dest" / "wheels") in argv
+    return [a for a in argv if "==" in a]
+
+
+def test_gpu_wheels_sglang_0521_overrides_the_pins_it_changes_and_keeps_the_rest(tmp_path):
+    old = _wheel_specs(tmp_path)
+    new = _wheel_specs(tmp_path, "--sglang", "0.5.21")
+    assert {"sglang==0.5.12", "transformers==5.10.4", "flashinfer-python==0.6.11.post1"} <= set(old)
+    assert not any(s.startswith("torch==") for s in old), "the 0.5.12 stack runs on the device's torch"
+    assert {
+        "sglang==0.5.21",
+        "sglang-kernel==0.4.7",
+        "torch==2.13.0",
+        "triton==3.7.1",
+        "transformers==5.12.1",
+        "nvidia-nccl-cu13==2.29.7",
+        "nvidia-cudnn-cu13==9.20.0.48",
+        "compressed-tensors==0.18.0",
+    } <= set(new)
+    names = [s.split("==")[0] for s in new]
+    assert len(names) == len(set(names)), f"a package pinned twice: {sorted(n for n in names if names.count(n) > 1)}"
+    changed = {s.split("==")[0] for s in new} & {s.split("==")[0] for s in old}
+    kept = {s for s in old if s.split("==")[0] in changed} & set(new)
+    assert {
+        "verl==0.9.1",
+        "megatron-core==0.19.2",
+        "megatron-bridge==0.6.2",
+        "ray==2.60.0",
+        "mooncake-transfer-engine-cuda13==0.3.14",
+    } <= kept

@@ -23,43 +23,13 @@ from verl_p2p.config import P2PConfig
 from verl_p2p.errors import MalformedAnswerError, P2PConfigError, RemoteMismatchError
 from verl_p2p.planning.layout import layout_from_server_args
 from verl_p2p.planning.targets import RemoteParam, RemoteRankInfo, TargetRank
+from verl_p2p.sandbox.tiny import tiny_config_dict
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
 TARGET = TargetRank(0, 0)
 SERVER_ARGS = {"tp_size": 1, "ep_size": 1, "dp_size": 1, "dtype": "float32", "version": "0.5.12"}
-DEEPSEEK_V3 = dict(
-    architectures=["DeepseekV3ForCausalLM"],
-    model_type="deepseek_v3",
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    moe_intermediate_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    n_routed_experts=8,
-    n_shared_experts=1,
-    num_experts_per_tok=2,
-    first_k_dense_replace=1,
-    moe_layer_freq=1,
-    kv_lora_rank=32,
-    q_lora_rank=48,
-    qk_rope_head_dim=16,
-    qk_nope_head_dim=16,
-    v_head_dim=16,
-    n_group=1,
-    topk_group=1,
-    routed_scaling_factor=1.0,
-    norm_topk_prob=True,
-    scoring_func="sigmoid",
-    topk_method="noaux_tc",
-    max_position_embeddings=512,
-    rms_norm_eps=1e-6,
-    rope_theta=10000.0,
-    tie_word_embeddings=False,
-    torch_dtype="float32",
-)
+DEEPSEEK_V3 = tiny_config_dict("deepseek_v3", torch_dtype="float32")  # the sandbox's tiny card
 
 
 def all_fill(handle, path) -> bool:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import pytest
 import torch
 from support import replica_harness as harness
-from support.replica_compare import compare_jobs
 
 from verl_p2p.sandbox.tiny import write_tiny_checkpoint
 
@@ -77,21 +76,7 @@ def exact_results(tmp_path_factory):
             dt = str(dtype).removeprefix("torch.")
             job = {"tag": f"{tag}-{variant}", "model_path": paths[model, variant], "server_args": {"dtype": dt, **args}}
             by_world.setdefault(args["tp_size"], []).append(job)
-    logs = root / "logs"
-    logs.mkdir()
-    specs = {}
-    for v in VERSIONS:
-        phases = [(w, by_world[w]) for w in sorted(by_world, reverse=True)]
-        specs[v] = [harness.write_spec(root / f"spec-{v}.json", phases, root / v)]
-        harness.wait_all(harness.start_witnesses(v, specs[v][0], logs), 900, f"SGLang {v} witnesses")
-    others = [v for v in VERSIONS if harness.SGLANG_DIRS[v] is not None]
-    compares = {v: harness.start_compare(v, specs[v], logs) for v in others}
-    try:
-        results = compare_jobs(specs["0.5.12"])
-    finally:
-        harness.wait_all([proc for proc, _ in compares.values()], 900, "replica comparisons")
-    for _, log in compares.values():
-        results += harness.read_results(log)
+    results = harness.run_matrix(root, by_world, VERSIONS)
     return {(r["version"].split("+")[0], r["tag"]): r for r in results}
 
 

@@ -81,18 +81,7 @@ def exact_results(tmp_path_factory):
             if tag in FUSED:
                 job["fusion_from_published"] = True
             by_world.setdefault(args["tp_size"], []).append(job)
-    logs = root / "logs"
-    logs.mkdir()
-    specs = {}
-    for v in VERSIONS:
-        phases = [(w, by_world[w]) for w in sorted(by_world, reverse=True)]
-        specs[v] = [harness.write_spec(root / f"spec-{v}.json", phases, root / v)]
-        harness.wait_all(harness.start_witnesses(v, specs[v][0], logs), 900, f"SGLang {v} witnesses")
-    results = []
-    for v in VERSIONS:  # one at a time: the machine is shared
-        proc, log = harness.start_compare(v, specs[v], logs)
-        harness.wait_all([proc], 900, f"replica comparisons under SGLang {v}")
-        results += harness.read_results(log)
+    results = harness.run_matrix(root, by_world, VERSIONS, parallel=False)  # one release at a time: shared host
     return {(r["version"].split("+")[0], r["tag"]): r for r in results}, root
 
 

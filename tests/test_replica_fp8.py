@@ -13,7 +13,6 @@ from __future__ import annotations
 import pytest
 import torch
 from support import replica_harness as harness
-from support.replica_compare import compare_jobs
 
 from verl_p2p.sandbox.tiny import write_tiny_checkpoint
 from verl_p2p.trainer.fp8_checkpoint import quantize_checkpoint
@@ -40,21 +39,7 @@ def fp8_results(tmp_path_factory):
             "server_args": {"dtype": "bfloat16", **args},
         }
         by_world.setdefault(args["tp_size"], []).append(job)
-    logs = root / "logs"
-    logs.mkdir()
-    specs = {}
-    for v in VERSIONS:
-        phases = [(w, by_world[w]) for w in sorted(by_world, reverse=True)]
-        specs[v] = [harness.write_spec(root / f"spec-{v}.json", phases, root / v)]
-        harness.wait_all(harness.start_witnesses(v, specs[v][0], logs), 900, f"SGLang {v} FP8 witnesses")
-    others = [v for v in VERSIONS if harness.SGLANG_DIRS[v] is not None]
-    compares = {v: harness.start_compare(v, specs[v], logs) for v in others}
-    try:
-        results = compare_jobs(specs["0.5.12"])
-    finally:
-        harness.wait_all([proc for proc, _ in compares.values()], 900, "FP8 replica comparisons")
-    for _, log in compares.values():
-        results += harness.read_results(log)
+    results = harness.run_matrix(root, by_world, VERSIONS, "FP8")
     witness = torch.load(root / "0.5.12" / "moe-fp8-tp2-ep2" / "rank1.pt")
     return {(r["version"].split("+")[0], r["tag"]): r for r in results}, witness
 

@@ -10,9 +10,9 @@
 #      same number, its forced last save),
 #   4. write $OUT/summary.json (scripts/grpo_check.py summary).
 # On a machine with one GPU both pools share it (ONE_GPU=1, the pool-mapping stand-in; set by default when
-# nvidia-smi lists one GPU). RESUME_FROM=N: resume from the step-N checkpoint of the previous run (copied to a fresh
-# checkpoint folder, so the new run's exports do not mix with the old ones); the weight check then expects
-# `skipped`. Everything under $OUT comes back: setup.log run.log metrics.jsonl probe.json compare.json
+# nvidia-smi lists one GPU). DATA_STEPS=N: write data for an N-step run (the first run of a save/resume pair).
+# RESUME_FROM=N: resume from the step-N checkpoint of the previous run (copied to a fresh checkpoint folder, so the
+# new run's exports do not mix with the old ones); the weight check then expects `skipped`. Everything under $OUT comes back: setup.log run.log metrics.jsonl probe.json compare.json
 # fresh_server.log summary.json (PACK=1: summary.json and logs.tgz of the rest, for several runs in one call).
 # Exit 0 only when the summary's "ok" is true. Arguments: extra Hydra overrides.
 set -uo pipefail
@@ -47,14 +47,16 @@ case "$RUN" in
         recipe=recipes/tiny_grpo_2gpu.sh mode=one_step_off
         FRESH_STEP=${FRESH_STEP:-$((STEPS - 1))} FINAL_VERSION=${FINAL_VERSION:-$STEPS}
         FRESH_VERSION=$((FRESH_STEP + 1))  # one step off: the sync after step N writes N's weights as version N+1
-        rows=$((8 * STEPS + 16))  # one_step_off prefetches a batch: a resumed run needs data past STEPS
+        # one_step_off prefetches a batch: a run needs data past its last step; DATA_STEPS: the steps of the run
+        # that will resume from this one's checkpoint (KEEP_TINY=1 keeps this data)
+        rows=$((8 * ${DATA_STEPS:-$STEPS} + 16))
         ;;
     fully_async)
         recipe=recipes/tiny_fully_async_2gpu.sh mode=fully_async
         export VERSIONS=$STEPS
         # the run's last save (forced at the end) is of the parameter version the rollout was synced to last
         FRESH_STEP=${FRESH_STEP:-$STEPS} FINAL_VERSION=${FINAL_VERSION:-$STEPS} FRESH_VERSION=$FRESH_STEP
-        rows=$((8 * STEPS + 8))
+        rows=$((8 * ${DATA_STEPS:-$STEPS} + 8))
         ;;
     *)
         echo "RUN=$RUN: expected one_step_off or fully_async" >&2
@@ -88,6 +90,15 @@ import verl_p2p.backend.engine, verl_p2p.backend.manager  # noqa: F401
 print({n: md.version(n) for n in ("verl", "ray", "sglang", "megatron-core", "megatron-bridge", "megatron-energon",
        "transformers", "tokenizers", "torch", "mooncake-transfer-engine-cuda13")}, "gpus:", torch.cuda.device_count())
 EOF
+    if [[ "${KEEP_TINY:-0}" == 1 && -f "$TINY_DIR/data/train.parquet" ]]; then  # kept data must last the run
+        have=$(python3 -c 'import sys, pyarrow.parquet as pq; print(pq.ParquetFile(sys.argv[1]).metadata.num_rows)' \
+            "$TINY_DIR/data/train.parquet") || exit 4
+        if ((have < rows)); then
+            echo "KEEP_TINY=1: $TINY_DIR/data/train.parquet has $have rows, this run needs $rows (8 per step and a" \
+                "prefetched batch): give the first run DATA_STEPS=$STEPS"
+            exit 4
+        fi
+    fi
     if [[ "${KEEP_TINY:-0}" != 1 || ! -d "$TINY_DIR/model" ]]; then
         echo "== model ($SHAPE) and data $(date -u +%T)"
         rm -rf "$TINY_DIR"

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from verl_p2p.errors import QuantizationError
-from verl_p2p.quant.block_fp8 import BlockFp8Scheme, quantize_block_fp8, quantize_many
+from verl_p2p.quant.block_fp8 import BLOCK, BlockFp8Scheme, quantize_block_fp8, quantize_many
 
 # --------------------------------------------------------------------------------------- the independent formula
 
@@ -254,3 +254,30 @@ def test_cuda_gives_the_cpu_reference_bytes():
     for t, (q, s) in zip(tensors, on_gpu, strict=True):
         q1, s1 = quantize_block_fp8(t)
         assert torch.equal(q.cpu().view(torch.uint8), q1.view(torch.uint8)) and torch.equal(s.cpu(), s1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU host)")
+def test_fused_gpu_kernel_gives_the_reference_bytes_itself():
+    """The one-launch Triton kernel on its own (not through quantize_many's fallback): the reference's bytes for
+    ragged edges, every input dtype, zero blocks; its NaN/inf counts; and quantize_many keeps using it."""
+    from verl_p2p.quant import block_fp8, block_fp8_triton
+
+    gen = torch.Generator().manual_seed(7)
+    for shape, dtype in [((2048, 768), torch.bfloat16), ((200, 300), torch.float32), ((129, 4097), torch.float16)]:
+        tensors = [(torch.randn(shape, generator=gen) * 10.0 ** (i - 3)).to(dtype) for i in range(4)]
+        tensors[0][:, :130] = 0
+        q, s, bad = block_fp8_triton.quantize_list(
+            [t.cuda() for t in tensors], BLOCK, block_fp8.AMAX_FLOOR, block_fp8.FP8_E4M3_MAX
+        )
+        assert int(bad.sum()) == 0
+        for j, t in enumerate(tensors):
+            rq, rs = quantize_block_fp8(t)
+            assert torch.equal(q[j].cpu().view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s[j].cpu(), rs)
+    t = torch.randn(130, 130)
+    t[3, 4], t[129, 129] = float("nan"), float("inf")
+    _, _, bad = block_fp8_triton.quantize_list([t.cuda()], BLOCK, block_fp8.AMAX_FLOOR, block_fp8.FP8_E4M3_MAX)
+    assert bad.cpu().tolist() == [[[1, 0], [0, 1]]]
+    with pytest.raises(QuantizationError, match="NaN/inf"):
+        quantize_many([t.cuda(), torch.randn(130, 130).cuda()], names=["w.nan", "w.ok"])
+    quantize_many([torch.randn(256, 256).cuda() for _ in range(3)])
+    assert block_fp8._fused_checked["state"] is True  # its first batch matched the reference: it stays on

@@ -131,7 +131,9 @@ def test_sessionless_rollout_of_a_post_load_model_is_refused_before_anything_is_
     assert "trainer rank 0: PostLoadWithoutSessionsError" in text
     assert "rollout engine 0 runs SGLang 0.5.12 without weight-update sessions" in text
     assert "DeepseekV3ForCausalLM.post_load_weights()" in text
-    assert "MLA's absorbed projections w_kc/w_vc, rebuilt from kv_b_proj" in text  # what it derives, named
+    assert (
+        "MLA's absorbed projections w_kc/w_vc (and their FP8 scales w_scale*), rebuilt from kv_b_proj" in text
+    )  # what it derives, named
     assert "Fix: run the rollout on SGLang >= 0.5.21" in text and "nothing was written" in text
     assert engine.exported == 0  # nothing streamed, so nothing written
     assert session.transport is None and session.buffers is None and session.writer is None

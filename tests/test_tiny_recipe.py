@@ -167,6 +167,36 @@ def test_one_gpu_mapping_points_every_ray_gpu_slot_at_the_one_device():
     assert setup.map_onto_one_gpu(env) is None and "CUDA_VISIBLE_DEVICES" not in env
 
 
+def test_one_gpu_mapping_also_sits_in_rays_setter_that_runs_before_every_task(monkeypatch):
+    """Ray sets CUDA_VISIBLE_DEVICES before each task of an actor; the stand-in maps what Ray's own setter
+    writes (seen on the H200: the rollout pool's CheckpointEngineWorker got "1" in its update_weights task)."""
+    from ray._private.accelerators.nvidia_gpu import NvidiaGPUAcceleratorManager
+
+    spec = importlib.util.spec_from_file_location(
+        "tiny_run_setup_for_ray_test", ROOT / "recipes" / "tiny" / "tiny_run_setup.py"
+    )
+    setup = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(setup)  # without the flag: Ray's setter is left alone
+
+    class Manager:  # a copy of Ray's setter, so the test does not patch Ray for other tests
+        set_current_process_visible_accelerator_ids = staticmethod(
+            NvidiaGPUAcceleratorManager.set_current_process_visible_accelerator_ids
+        )
+
+    monkeypatch.delenv("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.delenv("VERL_P2P_ONE_GPU", raising=False)
+    assert setup.map_ray_slots(Manager) is False
+    Manager.set_current_process_visible_accelerator_ids(["1"])
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "1"  # Ray's own behaviour
+    monkeypatch.setenv("VERL_P2P_ONE_GPU", "1")
+    assert setup.map_ray_slots(Manager) is True and setup.map_ray_slots(Manager) is True  # once
+    Manager.set_current_process_visible_accelerator_ids(["1"])
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0"
+    Manager.set_current_process_visible_accelerator_ids([])
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
+
+
 def test_qwen3_4b_shape_has_real_widths_and_a_few_gb():
     spec = importlib.util.spec_from_file_location("make_tiny_for_test", ROOT / "recipes" / "tiny" / "make_tiny.py")
     make_tiny = importlib.util.module_from_spec(spec)

@@ -6,7 +6,10 @@
   WARNING; the records reach its handler through propagation.
 - The one-GPU pool mapping, a STAND-IN for the second GPU (VERL_P2P_ONE_GPU=1, set by tiny/tiny_args.sh's
   ONE_GPU=1): Ray is told the node has two GPUs, so verl's trainer pool and rollout pool each get one; Ray then
-  hands a worker GPU id "0" or "1", and both are the one physical device. Runs before the worker touches CUDA.
+  hands a worker GPU id "0" or "1", and both are the one physical device. Ray sets CUDA_VISIBLE_DEVICES again
+  before every task of an actor (not only at start-up), so the mapping also sits in Ray's own setter
+  (`map_ray_slots`): without it verl's CheckpointEngineWorker of the rollout pool saw "1" in its update_weights
+  task and SGLang's ServerArgs found no GPU (fully_async on the H200).
 """
 
 import logging
@@ -26,6 +29,29 @@ def map_onto_one_gpu(environ=os.environ) -> str | None:
     return visible
 
 
+def map_ray_slots(manager=None) -> bool:
+    """Under the one-GPU flag, make Ray's CUDA_VISIBLE_DEVICES setter hand every GPU slot out as device "0";
+    returns whether the setter is (now) mapped."""
+    if os.environ.get(ONE_GPU_FLAG) != "1":
+        return False
+    if manager is None:
+        try:
+            from ray._private.accelerators.nvidia_gpu import NvidiaGPUAcceleratorManager as manager
+        except ImportError:  # no Ray in this process: nothing sets the variable later
+            return False
+    original = manager.set_current_process_visible_accelerator_ids
+    if getattr(original, "one_gpu_stand_in", False):
+        return True
+
+    def set_visible(visible_cuda_devices):
+        original(["0"] if len(visible_cuda_devices) else visible_cuda_devices)
+
+    set_visible.one_gpu_stand_in = True
+    manager.set_current_process_visible_accelerator_ids = staticmethod(set_visible)
+    return True
+
+
 map_onto_one_gpu()
+map_ray_slots()
 te_free.enable()
 logging.getLogger("verl_p2p").setLevel(logging.INFO)

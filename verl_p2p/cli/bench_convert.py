@@ -255,19 +255,12 @@ def _variant_bf16(cfg: dict, specs: dict) -> tuple:
 def _variant_fp8(cfg: dict, specs: dict) -> tuple:
     """FP8 targets: the rollout serves the trainer's 128x128 block-FP8 checkpoint of the same model; its tensor
     list holds e4m3fn weights with fp32 block scales, and each conversion starts with the quantize step."""
-    from verl_p2p.quant.block_fp8 import BLOCK, BlockFp8Scheme, scale_name
+    from verl_p2p.quant.block_fp8 import BlockFp8Scheme
     from verl_p2p.trainer.fp8_checkpoint import DEFAULT_QUANTIZATION_CONFIG
     from verl_p2p.trainer.fp8_stream import quantized_stream
 
     qc = dict(DEFAULT_QUANTIZATION_CONFIG)
-    scheme = BlockFp8Scheme.from_quantization_config(qc)
-    fp8_specs = {}
-    for name, (shape, dtype) in specs.items():
-        if scheme.quantizes(name, shape):
-            fp8_specs[name] = (shape, torch.float8_e4m3fn)
-            fp8_specs[scale_name(name)] = (tuple(-(-d // b) for d, b in zip(shape, BLOCK, strict=True)), torch.float32)
-        else:
-            fp8_specs[name] = (shape, dtype)
+    fp8_specs = BlockFp8Scheme.from_quantization_config(qc).checkpoint_specs(specs)
 
     def prepare(hf: dict) -> dict:
         return dict(quantized_stream(hf.items(), fp8_specs))

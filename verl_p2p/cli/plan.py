@@ -79,6 +79,19 @@ def resolve_model(spec: str) -> tuple[str, dict, dict]:
     return label, cfg, specs
 
 
+def fp8_rollout(cfg: dict, specs: dict) -> tuple[dict, dict]:
+    """The model as a block-FP8 rollout serves it: the trainer's 128x128 e4m3 checkpoint (what
+    `verl_p2p.trainer.fp8_checkpoint` writes). A config that is already quantized (an FP8 checkpoint dir) is kept."""
+    from verl_p2p.quant.block_fp8 import BlockFp8Scheme
+    from verl_p2p.trainer.fp8_checkpoint import DEFAULT_QUANTIZATION_CONFIG
+
+    if cfg.get("quantization_config"):
+        BlockFp8Scheme.from_hf_config(cfg)  # refuses what the quantizer cannot reproduce
+        return cfg, specs
+    qc = dict(DEFAULT_QUANTIZATION_CONFIG)
+    return {**cfg, "quantization_config": qc}, BlockFp8Scheme.from_quantization_config(qc).checkpoint_specs(specs)
+
+
 class Planner:
     """Write plans per rollout layout (captured or cached), shared by every estimate of one invocation."""
 
@@ -305,6 +318,12 @@ def run(argv: list[str]) -> int:
     parser.add_argument("--bucket-mb", type=int, default=512, help="transfer slot size (bucket_size_mb)")
     parser.add_argument("--anchors", action="store_true", help="predict at the published figures' layouts")
     parser.add_argument("--plan-cache-dir", default=None, help="plan cache directory ('' disables)")
+    parser.add_argument(
+        "--rollout-quant",
+        choices=("bf16", "fp8"),
+        default="bf16",
+        help="what the rollout serves: the trainer's dtype (bf16) or its 128x128 block-FP8 checkpoint (fp8)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.add_argument("--sources-per-stage", type=int, default=2, help="(without --model) sources per stage")
     parser.add_argument("--pp", type=int, default=1, help="(without --model) pipeline stages")
@@ -326,6 +345,9 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     label, cfg, specs = resolve_model(args.model)
+    hf_specs = specs
+    if args.rollout_quant == "fp8":
+        cfg, specs = fp8_rollout(cfg, specs)
     card = card_name_of(cfg)
     published = published_for(card) if card else []
     anchors = args.anchors or (trainer is None and rollout is None and bool(published))
@@ -349,8 +371,10 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         "model": label,
         "card": card,
         "num_hidden_layers": cfg.get("num_hidden_layers"),
-        "hf_tensors": len(specs),
-        "hf_bytes": sum(_numel(s) * d.itemsize for s, d in specs.values()),
+        "hf_tensors": len(hf_specs),
+        "hf_bytes": sum(_numel(s) * d.itemsize for s, d in hf_specs.values()),
+        "rollout_quant": args.rollout_quant,
+        "rollout_bytes": sum(_numel(s) * d.itemsize for s, d in specs.values()),
         "nic_gbps": args.nic_gbps,
         "convert_gbps": convert_gbps,
         "assumptions": assumptions,
@@ -383,7 +407,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(out, indent=2, default=str))
         return 0
-    print(f"model {label}: {out['hf_tensors']} HF tensors, {_gb(out['hf_bytes'])}")
+    print(f"model {label}: {out['hf_tensors']} HF tensors, {_gb(out['hf_bytes'])}", end="")
+    print(f"; the rollout holds {_gb(out['rollout_bytes'])} ({args.rollout_quant})")
     if anchors:
         print(
             f"{'system':<24} {'published':>10} {'predicted':>10} {'wire floor':>10} {'no split':>10}  "

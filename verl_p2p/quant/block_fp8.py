@@ -12,6 +12,7 @@ into one call of the same function.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ import torch
 from verl_p2p.errors import QuantizationError
 
 BLOCK = (128, 128)
+logger = logging.getLogger(__name__)
+
 FP8_E4M3_MAX = 448.0
 AMAX_FLOOR = 1e-10  # an all-zero block gets a tiny positive scale (its bytes are zeros either way)
 SCALE_SUFFIX = "weight_scale_inv"
@@ -88,6 +91,38 @@ def quantize_block_fp8(
     return q.contiguous(), scale
 
 
+_fused_checked = {"state": None}  # None: not yet compared with the reference in this process; True/False after
+
+
+def _fused(tensors, chunk, block, names) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """The chunk through the one-launch GPU kernel (`block_fp8_triton`), or None where it does not apply. Its first
+    batch in a process is compared byte for byte with the reference; a difference turns it off (logged)."""
+    from verl_p2p.quant import block_fp8_triton
+
+    first = tensors[chunk[0]]
+    if _fused_checked["state"] is False or not block_fp8_triton.available(first, block):
+        return None
+    q, s, bad = block_fp8_triton.quantize_list([tensors[i] for i in chunk], block, AMAX_FLOOR, FP8_E4M3_MAX)
+    if bool(bad.any()):  # the reference names the tensor and refuses it
+        for i in chunk:
+            quantize_block_fp8(tensors[i], block, names[i])
+    pairs = [(q[j], s[j]) for j in range(len(chunk))]
+    if _fused_checked["state"] is None:
+        same = True
+        for i, (qj, sj) in zip(chunk, pairs, strict=True):
+            rq, rs = quantize_block_fp8(tensors[i], block, names[i])
+            same = same and torch.equal(qj.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(sj, rs)
+        _fused_checked["state"] = same
+        if not same:
+            logger.warning(
+                "the fused GPU FP8 quantizer's bytes differ from the reference on %s: using the reference "
+                "(slower) for the rest of this process",
+                first.device,
+            )
+            return None
+    return pairs
+
+
 def quantize_many(
     tensors: Sequence[torch.Tensor],
     block: tuple[int, int] = BLOCK,
@@ -105,6 +140,11 @@ def quantize_many(
         per = max(1, max_group_bytes // max(1, tensors[members[0]].numel() * 4))
         for start in range(0, len(members), per):
             chunk = members[start : start + per]
+            fused = _fused(tensors, chunk, block, names)
+            if fused is not None:
+                for j, i in enumerate(chunk):
+                    out[i] = fused[j]
+                continue
             if len(chunk) == 1:
                 out[chunk[0]] = quantize_block_fp8(tensors[chunk[0]], block, names[chunk[0]])
                 continue
@@ -207,6 +247,19 @@ class BlockFp8Scheme:
             return False
         bare = module.removeprefix("model.")
         return not any(_path_match(ignored, bare) for ignored in self.ignored)
+
+    def checkpoint_specs(self, specs: Mapping[str, tuple]) -> dict[str, tuple]:
+        """HF specs {name: (shape, dtype)} -> the specs of the checkpoint this scheme writes: each quantized weight
+        as e4m3fn with its fp32 `weight_scale_inv` (one per block) after it, every other tensor unchanged."""
+        out: dict[str, tuple] = {}
+        for name, (shape, dtype) in specs.items():
+            if self.quantizes(name, shape):
+                out[name] = (tuple(shape), torch.float8_e4m3fn)
+                blocks = tuple(-(-int(d) // b) for d, b in zip(shape, self.block, strict=True))
+                out[scale_name(name)] = (blocks, torch.float32)
+            else:
+                out[name] = (shape, dtype)
+        return out
 
     def quantize_state(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """HF tensors -> the checkpoint's tensors: each selected `X.weight` as e4m3fn plus `X.weight_scale_inv`,

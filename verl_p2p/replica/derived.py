@@ -41,8 +41,10 @@ class Derivation:
 # projections, a reshape/transpose of the published kv_b_proj (and, for block-FP8 checkpoints, a dequant with
 # its published scales), copied in place into the same tensors (`bind_or_assign`).
 MLA_ABSORBED = Derivation(
-    what="MLA's absorbed projections w_kc/w_vc, rebuilt from kv_b_proj",
-    pattern=re.compile(r"^(?P<prefix>.+\.self_attn)\.(w_kc|w_vc)$"),
+    # FP8 checkpoints: kv_b_proj's weight and weight_scale_inv are dequantized first; off the block-FP8 GPU path
+    # (CPU, per-tensor/per-channel FP8, DeepGEMM's BMM) the dequant also leaves scales w_scale / w_scale_k / _v
+    what="MLA's absorbed projections w_kc/w_vc (and their FP8 scales w_scale*), rebuilt from kv_b_proj",
+    pattern=re.compile(r"^(?P<prefix>.+\.self_attn)\.(w_kc|w_vc|w_scale|w_scale_k|w_scale_v)$"),
     inputs=("kv_b_proj.",),
     hook="post_load_weights",
     loaders=("DeepseekV2WeightLoaderMixin",),

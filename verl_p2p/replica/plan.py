@@ -98,6 +98,9 @@ class WritePlan:
     hf_specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)
     # non-parameter tensors SGLang computes from the checkpoint (a p2p write would leave them stale)
     derived: tuple[str, ...] = ()
+    # parameters SGLang fills itself and no checkpoint tensor feeds (`rollout_local_params`): not in `params`,
+    # never written, the same before and after every sync
+    local: tuple[str, ...] = ()
 
     @property
     def used_hf_names(self) -> set[str]:
@@ -388,6 +391,14 @@ def _expert_map_lookups_unrecorded() -> Iterator[None]:
         del metadata.logical_to_all_physical
 
 
+def rollout_local_params(params: dict[str, torch.Tensor], writes: dict[str, list]) -> tuple[str, ...]:
+    """Parameters SGLang marks `_skip_weight_check` that the loader never wrote: constants of the rollout itself
+    (an FP8 checkpoint without kv-cache scales: the attention's `k_scale`/`v_scale` start at -1 and post-processing
+    sets them to 1.0). No trainer tensor maps to them and a sync must not touch them; a checkpoint that does hold
+    such a tensor feeds the parameter, which is then planned and written like any other."""
+    return tuple(name for name, p in params.items() if getattr(p, "_skip_weight_check", False) and not writes.get(name))
+
+
 def capture_write_plan(ctx: RankContext, model: torch.nn.Module, hf_specs: HFSpecs) -> WritePlan:
     """Run SGLang's `load_weights` once over meta HF tensors and record every parameter write."""
     params = dict(model.named_parameters())
@@ -409,8 +420,11 @@ def capture_write_plan(ctx: RankContext, model: torch.nn.Module, hf_specs: HFSpe
     derived = recorder.derived_tensors(model)
     forget_derived(model)
     order = {n: i for i, n in enumerate(hf_specs)}
+    local = rollout_local_params(params, recorder.writes)
     plans = {}
     for name, p in params.items():
+        if name in local:
+            continue
         writes = tuple(recorder.writes[name])
         feeds = sorted({f for w in writes for f in w.feeds}, key=order.__getitem__)
         plans[name] = ParamPlan(
@@ -425,6 +439,7 @@ def capture_write_plan(ctx: RankContext, model: torch.nn.Module, hf_specs: HFSpe
         params=plans,
         hf_specs={k: (tuple(s), d) for k, (s, d) in hf_specs.items()},
         derived=tuple(derived),
+        local=local,
     )
     validate_write_plan(plan)
     feeds = {name: p.feeds for name, p in plans.items()}

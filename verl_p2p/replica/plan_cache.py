@@ -201,6 +201,7 @@ def plan_to_json(plan: WritePlan) -> dict:
             for p in plan.params.values()
         ],
         "derived": list(plan.derived),
+        "local": list(plan.local),
     }
 
 
@@ -237,7 +238,12 @@ def plan_from_json(data: Mapping[str, Any]) -> WritePlan:
             feeds=tuple(names[i] for i in feeds),
             writes=tuple(write(w) for w in writes),
         )
-    return WritePlan(params=params, hf_specs=hf_specs, derived=tuple(data.get("derived", ())))
+    return WritePlan(
+        params=params,
+        hf_specs=hf_specs,
+        derived=tuple(data.get("derived", ())),
+        local=tuple(data.get("local", ())),
+    )
 
 
 def _atomic_write(path: Path, text: str) -> None:

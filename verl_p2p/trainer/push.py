@@ -344,7 +344,8 @@ def check_push(
     groups = group_targets(targets, share)
     writer.validate(expected_params(groups))
     check_coverage(  # against the whole rank's plan: with PP > 1 the stages' shares together write it
-        {g.describe(): (g.targets[0].remote.params, g.replica.plan.params) for g in groups}, unwritten_allowed
+        {g.describe(): (g.targets[0].remote.params, [*g.replica.plan.params, *g.replica.plan.local]) for g in groups},
+        unwritten_allowed,
     )
     if streams_fp8:
         for g in groups:

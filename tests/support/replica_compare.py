@@ -84,7 +84,7 @@ def _compare_job(job: dict, world: int, out: str) -> dict:
         tensors = dict(quantized_stream(source.items(), specs))
     problems, plans, checked, chunked, compiled, compiled_chunked, fallbacks = [], [], 0, 0, 0, 0, []
     strided_checked = 0
-    derived, fusion_refusals = {}, []
+    derived, local, fusion_refusals = {}, {}, []
     for rank in range(world):
         witness = torch.load(os.path.join(out, f"rank{rank}.pt"))
         rank_info = info
@@ -100,10 +100,12 @@ def _compare_job(job: dict, world: int, out: str) -> dict:
         check_replica_fusion(replica.plan.params, witness, f"witness rank {rank}")
         plans.append(replica.plan)
         derived[str(rank)] = list(replica.plan.derived)
+        local[str(rank)] = list(replica.plan.local)
         executor = CompiledReplica(replica)
         fallbacks += [f"rank {rank} {n}: {why}" for n, why in executor.fallbacks.items()]
-        if list(replica.plan.params) != list(witness):
-            problems.append(f"rank {rank}: names differ {sorted(set(replica.plan.params) ^ set(witness))}")
+        published = [n for n in witness if n not in replica.plan.local]  # rollout-local: SGLang's own, unwritten
+        if list(replica.plan.params) != published:
+            problems.append(f"rank {rank}: names differ {sorted(set(replica.plan.params) ^ set(published))}")
             continue
         for name, p in replica.plan.params.items():
             expect = witness[name]
@@ -155,6 +157,7 @@ def _compare_job(job: dict, world: int, out: str) -> dict:
         "rollout_dtypes": sorted({str(p.dtype) for plan in plans for p in plan.params.values()}),
         "problems": problems,
         "derived": derived,
+        "local": local,
         "fusion_refusals": fusion_refusals,
     }
 

@@ -1,0 +1,58 @@
+"""FP8 MLA (DeepSeek-V3 / Kimi-K2 style): the replica's bytes equal SGLang's own rank load of the trainer's
+block-FP8 checkpoint, on a release with weight-update sessions (0.5.23), where MLA's derived tensors are rebuilt
+at session end. Witness: SGLang gloo ranks loading the FP8 files `trainer/fp8_checkpoint.py` wrote from a bf16
+tiny DeepSeek-V3 whose every TP shard is a multiple of 128. Replica: fed the *bf16* tensors through the trainer's
+quantize step, whole and chunked, reference and compiled executor. The attention's kv-cache scales, which
+SGLang's Fp8 method creates and no checkpoint tensor feeds, are the plan's rollout-local parameters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support import replica_harness as harness
+from test_fp8_plan import MLA_128
+
+from verl_p2p.sandbox.tiny import write_tiny_checkpoint
+from verl_p2p.trainer.fp8_checkpoint import quantize_checkpoint
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+VERSIONS = ("0.5.23",)
+MLA_LAYERS = 3  # the tiny DeepSeek-V3's layers (one dense, two MoE)
+
+
+@pytest.fixture(scope="module")
+def mla_fp8(tmp_path_factory):
+    root = tmp_path_factory.mktemp("replica_fp8_mla")
+    bf16 = write_tiny_checkpoint(
+        root / "bf16", "deepseek_v3", id_encoded=False, dtype=torch.bfloat16, torch_dtype="bfloat16", **MLA_128
+    )
+    fp8 = quantize_checkpoint(bf16, root / "fp8")
+    job = {
+        "tag": "mla-fp8-tp2",
+        "model_path": str(fp8),
+        "bf16_source": str(bf16),
+        "server_args": {"dtype": "bfloat16", "tp_size": 2},
+    }
+    results = harness.run_matrix(root, {2: [job]}, VERSIONS, "FP8 MLA")
+    witness = torch.load(root / "0.5.23" / "mla-fp8-tp2" / "rank1.pt")
+    return results, witness, root
+
+
+def test_fp8_mla_replica_bytes_equal_sglang_ranks(mla_fp8):
+    results, witness, root = mla_fp8
+    (r,) = results
+    assert r["version"].startswith("0.5.23")
+    assert not r["problems"], r["problems"]
+    assert r["checked"] > 0 and r["compiled"] == r["checked"]
+    assert not r["fallbacks"], r["fallbacks"]
+    for rank in ("0", "1"):  # SGLang's kv-cache scales: local, never written; MLA's derived tensors listed
+        assert r["local"][rank] and all(n.endswith(("k_scale", "v_scale")) for n in r["local"][rank])
+        # what the witness's post_load_weights built from the FP8 kv_b_proj (dequantized with its scales)
+        built = torch.load(root / "0.5.23" / "mla-fp8-tp2" / f"derived{rank}.pt")
+        absorbed = {n for n in built if n.endswith((".w_kc", ".w_vc"))}
+        layers = MLA_LAYERS
+        assert absorbed == {f"model.layers.{i}.self_attn.{w}" for i in range(layers) for w in ("w_kc", "w_vc")}
+        listed = set(r["derived"][rank])
+        assert absorbed <= listed and all(".self_attn.w_" in n for n in listed), (listed, absorbed)
+    assert witness["model.layers.0.self_attn.kv_b_proj.weight"].dtype == torch.float8_e4m3fn
+    assert witness["model.layers.0.self_attn.kv_b_proj.weight_scale_inv"].dtype == torch.float32

@@ -28,6 +28,7 @@ CHECKS = {
     "gpu_export_check.py": SMOKE,  # --device cpu: the same checks over gloo
     "gpu_mooncake_check.py": SMOKE,  # --cases host:host
     "gpu_staging_bandwidth.py": HELP,  # CUDA copies only
+    "gpu_fp8_quant_check.py": SMOKE,  # --device cpu: exactness and throughput of the eager path
     "gpu_verl_replica.py": (COVERED, "test_gpu_verl_replica.py"),  # --rollout loopback, the whole flow
     "grpo_check.py": (COVERED, "test_grpo_check.py"),  # probe, fresh and summary on recorded logs
     "grpo_report.py": (COVERED, "test_grpo_report.py"),  # JSON, table and PNG from recorded runs
@@ -157,6 +158,16 @@ def test_gpu_mooncake_check_smoke_between_host_buffers(tmp_path):
     (case,) = json.loads(out.read_text())["cases"]
     assert (case["src"], case["dst"], case["bytes"], case["bytes_equal"]) == ("host", "host", 8 << 20, True)
     assert len(case["seconds"]) == 3
+
+
+def test_gpu_fp8_quant_check_smoke_on_cpu(tmp_path):
+    """The CPU run checks every case against the reference (quantize_many on CPU) and times the eager path; the
+    fused kernel is CUDA-only and is reported absent, not faked."""
+    out = tmp_path / "fp8.json"
+    run("scripts/gpu_fp8_quant_check.py", "--device", "cpu", "--experts", "2", "--repeats", "1", "--out", str(out))
+    report = json.loads(out.read_text())
+    assert report["exactness"]["cases"] == 6 * 3 * 3 and report["exactness"]["unequal"] == []
+    assert "fused" not in report["throughput"] and report["throughput"]["eager"]["g_elements_per_s"] > 0
 
 
 @pytest.mark.slow  # imports SGLang, builds a tiny replica

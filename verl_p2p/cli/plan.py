@@ -22,6 +22,8 @@ from verl_p2p.planning.plan import SourceRank, build_transfer_plan, split_by_byt
 from verl_p2p.planning.sync_estimate import (
     DEFAULT_CONVERT_GBPS,
     DEFAULT_CONVERT_SOURCE,
+    DEFAULT_FP8_CONVERT_GBPS,
+    DEFAULT_FP8_CONVERT_SOURCE,
     DEFAULT_NIC_GBITS,
     Parallelism,
     SyncEstimate,
@@ -291,8 +293,11 @@ def _print_estimate(
         )
 
 
-def _assumptions(nic_gbits: float, convert_gbps: float, convert_given: bool, slot_bytes: int) -> dict:
-    source = "given with --convert-gbps" if convert_given else DEFAULT_CONVERT_SOURCE
+def _assumptions(
+    nic_gbits: float, convert_gbps: float, convert_given: bool, slot_bytes: int, fp8: bool = False
+) -> dict:
+    measured = DEFAULT_FP8_CONVERT_SOURCE if fp8 else DEFAULT_CONVERT_SOURCE
+    source = "given with --convert-gbps" if convert_given else measured
     return {
         "nic": f"one {nic_gbits:g} Gb/s NIC per trainer GPU ({nic_gbits / 8:g} GB/s)",
         "convert": f"{convert_gbps:g} GB/s of rollout bytes produced per source ({source})",
@@ -355,7 +360,9 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         parser.error("give --trainer and --rollout (or --anchors for a built-in card with published figures)")
     if anchors and not published:
         parser.error(f"no published figures for {label}; give --trainer and --rollout")
-    convert_gbps = args.convert_gbps if args.convert_gbps is not None else DEFAULT_CONVERT_GBPS
+    fp8 = args.rollout_quant == "fp8"
+    measured = DEFAULT_FP8_CONVERT_GBPS if fp8 else DEFAULT_CONVERT_GBPS
+    convert_gbps = args.convert_gbps if args.convert_gbps is not None else measured
     if args.nic_gbps <= 0 or convert_gbps <= 0 or args.bucket_mb <= 0:
         parser.error("--nic-gbps, --convert-gbps and --bucket-mb must be positive")
     slot_bytes = args.bucket_mb << 20
@@ -366,7 +373,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     install_cpu_stubs()  # SGLang's model classes import GPU kernels at import time; only captures need them
     cache = PlanCache.from_option(args.plan_cache_dir)
     planner = Planner(cfg, specs, cache, quiet=args.json)
-    assumptions = _assumptions(args.nic_gbps, convert_gbps, args.convert_gbps is not None, slot_bytes)
+    assumptions = _assumptions(args.nic_gbps, convert_gbps, args.convert_gbps is not None, slot_bytes, fp8)
     out: dict[str, Any] = {
         "model": label,
         "card": card,

@@ -225,16 +225,18 @@ class _Pusher:
         plan = group.params[param]
         nbytes = int(plan.nbytes)
         feeds = group.take(param)
-        self.cuda_devices.update(t.device for t in feeds.values() if t.device.type == "cuda")
+        devices = {t.device for t in feeds.values() if t.device.type == "cuda"}
         if nbytes > self.buffers.slot_bytes or not plan.feeds:
             for offset, length in group.replica.chunks(param, self.buffers.slot_bytes):
                 dst = self._space(length)
+                self.cuda_devices.update(devices)  # after _space: its flush fenced the loads before, not this one
                 t0 = time.perf_counter()
                 group.replica.load_chunk(param, feeds, offset, dst)
                 self.metrics.seconds_load += time.perf_counter() - t0
                 self._entries(group, param, offset, dst, length)
         elif nbytes > 0:
             dst = self._space(nbytes)
+            self.cuda_devices.update(devices)
             t0 = time.perf_counter()
             group.replica.load(param, feeds, dst)
             self.metrics.seconds_load += time.perf_counter() - t0
@@ -250,7 +252,10 @@ class _Pusher:
             self.flush()  # start writing what is loaded; the rest of the slot keeps filling meanwhile
 
     def _fence(self) -> None:
-        """CUDA copies into a slot are asynchronous: wait for them before the transport reads the slot."""
+        """CUDA copies into a slot are asynchronous: wait for them before the transport reads the slot. A load
+        registers its feeds' devices after `_space` (whose own flush fences and clears the set): registered
+        before, a load that starts a new slot was submitted unfenced, and its first bytes went out unwritten
+        (zeros of fresh pinned memory; seen on the H200 with GPU feeds into pinned slots)."""
         if self.slot is not None and self.slot.tensor.device.type == "cuda":
             self.cuda_devices.add(self.slot.tensor.device)
         for device in self.cuda_devices:

@@ -63,10 +63,14 @@ case "$RUN" in
         exit 2
         ;;
 esac
-expect_check=passed
+expect_check=passed version_from=sglang
 if [[ -n "${RESUME_FROM:-}" ]]; then
     export RESUME=1
     expect_check=skipped
+fi
+export BACKEND=${BACKEND:-p2p}
+if [[ "$BACKEND" != p2p ]]; then  # verl's own engine: no p2p check, and verl (not SGLang) counts the versions
+    expect_check=none version_from=verl
 fi
 
 (
@@ -117,7 +121,8 @@ cat "$OUT/setup.log"
 
 done_file="$TINY_DIR/run.done"
 rm -f "$done_file"
-python3 scripts/grpo_check.py probe --out "$OUT/probe.json" --timeout "$(left)" >/dev/null 2>&1 &
+python3 scripts/grpo_check.py probe --out "$OUT/probe.json" --version-from "$version_from" --timeout "$(left)" \
+    >/dev/null 2>&1 &
 probe_pid=$!
 python3 scripts/grpo_check.py fresh --ckpts "$CKPTS_DIR" --step "$FRESH_STEP" --version "$FRESH_VERSION" \
         --probe "$OUT/probe.json" --done-file "$done_file" --out "$OUT/compare.json" --log "$OUT/fresh_server.log" \
@@ -136,7 +141,7 @@ echo "== compare done after $((SECONDS - start)) s"
 
 python3 scripts/grpo_check.py summary --log "$OUT/run.log" --metrics "$OUT/metrics.jsonl" --probe "$OUT/probe.json" \
     --compare "$OUT/compare.json" --steps "$STEPS" --rc "$rc" --out "$OUT/summary.json" --mode "$mode" \
-    --expect-check "$expect_check" ${FINAL_VERSION:+--final-version "$FINAL_VERSION"}
+    --expect-check "$expect_check" --backend "$BACKEND" ${FINAL_VERSION:+--final-version "$FINAL_VERSION"}
 ok=$?
 # files come back up to 16 MiB each: keep the head (config, start-up) and the tail (steps) of a long log
 for f in "$OUT/run.log" "$OUT/fresh_server.log"; do

@@ -37,6 +37,7 @@ SERVER_ARGS = [
     "--load-format", "auto",
 ]  # fmt: skip
 P2P_PREFIX = "checkpoint_engine/p2p/"
+SYNC_TIMER = "timing_s/update_weights"  # verl's own timer around every backend's sync
 CHECK_PASSED = "check_weight_update_equal: compare passed"
 
 
@@ -96,6 +97,18 @@ def find_rollout(namespace: str, actor: str, deadline: float, stopped=lambda: Fa
     raise RuntimeError("stopped before verl's rollout server was found")
 
 
+def rollout_version(args, url: str):
+    """The weight version the rollout holds now. `sglang`: SGLang's own /model_info weight_version (p2p bumps it
+    every sync). `verl`: the `global_steps` verl's server actor records after each update (verl's own engines
+    leave SGLang's weight_version at "default")."""
+    if args.version_from == "sglang":
+        return http(f"{url}/model_info", timeout=5).get("weight_version")
+    import ray
+
+    steps = ray.get(ray.get_actor(args.actor).__ray_call__.remote(lambda server: server.global_steps), timeout=5)
+    return None if steps is None else str(steps)
+
+
 def cmd_probe(args) -> int:
     out = Path(args.out)
     state = {"url": None, "records": {}, "errors": []}
@@ -113,17 +126,19 @@ def cmd_probe(args) -> int:
     seen = None
     while not stop["now"] and time.monotonic() < deadline:
         try:
-            version = http(f"{url}/model_info", timeout=5).get("weight_version")
+            version = rollout_version(args, url)
             if version != seen and version is not None:
                 first = greedy(url)
-                after = http(f"{url}/model_info", timeout=5).get("weight_version")
-                stable = first["weight_version"] == version == after and first["finish_reason"] is not None
+                after = rollout_version(args, url)
+                # SGLang's own counter also travels in the response (verl's does not)
+                carried = args.version_from != "sglang" or first["weight_version"] == version
+                stable = carried and version == after and first["finish_reason"] is not None
                 stable = stable and "abort" not in json.dumps(first["finish_reason"])
                 if stable:
                     second = greedy(url)
                     first["repeat_equal"] = second["output_ids"] == first["output_ids"]
                     sums = checksums(url)
-                    if http(f"{url}/model_info", timeout=5).get("weight_version") != version:
+                    if rollout_version(args, url) != version:
                         continue  # a sync came between: take this version again
                     first["checksums"] = sums
                     first["t"] = time.time()
@@ -271,12 +286,14 @@ def p2p_sync_lines(log_text: str) -> dict[str, dict]:
 
 
 def weight_check(check_lines: list[str], expect: str) -> dict:
-    """The first sync's check: `passed` (compare passed, nothing failed) or `skipped` (a resumed trainer)."""
+    """The first sync's check: `passed` (compare passed, nothing failed) or `skipped` (a resumed trainer); `none`
+    expected of verl's own engines, which have no such check (no line at all)."""
     failed = [ln for ln in check_lines if "failed" in ln or "WeightCheckError" in ln]
     passed = any(CHECK_PASSED in ln for ln in check_lines) and not failed
     skipped = any(CHECK_SKIPPED in ln for ln in check_lines) and not failed
     verdict = "passed" if passed else "skipped" if skipped else "failed" if failed else "missing"
-    return {"expected": expect, "verdict": verdict, "ok": verdict == expect, "log_lines": check_lines[:10]}
+    ok = verdict == ("missing" if expect == "none" else expect)
+    return {"expected": expect, "verdict": verdict, "ok": ok, "log_lines": check_lines[:10]}
 
 
 def async_versions(trained: dict[int, dict]) -> dict:
@@ -300,6 +317,13 @@ def async_versions(trained: dict[int, dict]) -> dict:
     }
 
 
+def version_order(version: str) -> tuple:
+    """Sort key of the rollout's weight versions: SGLang's start-up "default" first, then the syncs' numbers."""
+    if version == "default":
+        return (0, 0, "")
+    return (1, int(version), "") if version.isdigit() else (2, 0, version)
+
+
 def cmd_summary(args) -> int:
     log_text = Path(args.log).read_text(errors="replace") if Path(args.log).exists() else ""
     steps, source = step_metrics(Path(args.metrics), log_text)
@@ -313,9 +337,10 @@ def cmd_summary(args) -> int:
     probe = json.loads(Path(args.probe).read_text()) if Path(args.probe).exists() else {}
     records = probe.get("records", {})
     probed = [v for v, _ in sorted(records.items(), key=lambda kv: kv[1].get("t", 0))]
-    versions_in_order = probed == sorted(probed, key=lambda v: (len(v), v))
+    versions_in_order = probed == sorted(probed, key=version_order)
     summary = {
         "mode": args.mode,
+        "backend": args.backend,
         "run_exit_code": args.rc,
         "steps_expected": args.steps,
         "steps_completed": max(trained, default=0),
@@ -328,7 +353,10 @@ def cmd_summary(args) -> int:
         "rollout_versions_in_order": versions_in_order,
         "save_hook_lines": sum("transfer buffers released for save_checkpoint" in ln for ln in log_text.splitlines()),
     }
-    if args.mode == "fully_async":
+    if args.backend != "p2p":  # verl's own engines: verl's sync timer every step; no p2p metrics, no p2p check
+        every = bool(trained) and all(SYNC_TIMER in m for m in trained.values())
+        versions_ok = True
+    elif args.mode == "fully_async":
         summary["fully_async"] = async_versions(trained)
         summary["p2p_syncs"] = len(syncs)
         every = len(syncs) >= args.steps
@@ -363,6 +391,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--url", help="the rollout's address, instead of finding verl's server actor through Ray")
     p.add_argument("--out", required=True)
     p.add_argument("--poll", type=float, default=0.2)
+    p.add_argument("--version-from", choices=("sglang", "verl"), default="sglang",
+                   help="sglang: SGLang's weight_version (p2p); verl: verl's server actor's global_steps (verl's "
+                   "own engines)")  # fmt: skip
     p.add_argument("--timeout", type=float, default=600)
     f = sub.add_parser("fresh")
     f.add_argument("--ckpts", required=True)
@@ -385,7 +416,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--rc", type=int, required=True)
     s.add_argument("--out", required=True)
     s.add_argument("--mode", choices=("one_step_off", "fully_async"), default="one_step_off")
-    s.add_argument("--expect-check", choices=("passed", "skipped"), default="passed")
+    s.add_argument("--expect-check", choices=("passed", "skipped", "none"), default="passed")
+    s.add_argument("--backend", default="p2p", help="p2p, or verl's own engine (mooncake, nixl): no p2p metrics")
     s.add_argument("--final-version", help="the weight version the rollout must end at (one_step_off: STEPS)")
     args = parser.parse_args(argv)
     return {"probe": cmd_probe, "fresh": cmd_fresh, "summary": cmd_summary}[args.cmd](args)

@@ -222,3 +222,70 @@ def test_fully_async_reads_p2p_sync_lines_and_the_samples_versions(tmp_path):
     assert not run(tmp_path, back, True, 0, False, "--mode", "fully_async")["ok"]  # versions going back
     few = [CHECKED] + [sync_line(v) for v in range(2)] + [async_step(s, s, 0.0) for s in (1, 2, 3, 4)]
     assert not run(tmp_path, few, True, 0, False, "--mode", "fully_async")["ok"]  # fewer syncs than steps
+
+
+def verl_engine_step(step: int, timed: bool = True) -> str:
+    metrics = f"training/global_step:{step} - actor/pg_loss:-0.01"
+    if timed:
+        metrics += f" - timing_s/update_weights:1.{step}"
+    return f"(OneStepTaskRunner pid=7) step:{step} - {metrics}"
+
+
+def test_verls_own_engine_needs_its_sync_timer_every_step_and_no_p2p_check(tmp_path):
+    """BACKEND=mooncake|nixl: no p2p metrics and no p2p weight check exist; verl's own timer must be there."""
+    mooncake = ("--backend", "mooncake", "--expect-check", "none")
+    lines = [verl_engine_step(i) for i in (1, 2, 3, 4)]
+    s = run(tmp_path, lines, True, 0, False, *mooncake)
+    assert s["ok"] and s["backend"] == "mooncake" and s["first_sync_weight_check"]["verdict"] == "missing"
+    assert not run(tmp_path, lines, True, 0, False)["ok"]  # the same log read as a p2p run: no p2p metrics
+    untimed = [verl_engine_step(i, timed=i != 3) for i in (1, 2, 3, 4)]
+    assert not run(tmp_path, untimed, True, 0, False, *mooncake)["ok"]  # a step without a sync
+    assert not run(tmp_path, [CHECKED] + lines, True, 0, False, *mooncake)["ok"]  # a p2p check line: wrong engine
+    assert not run(tmp_path, lines, False, 0, False, *mooncake)["ok"]  # rollout differs from the fresh server
+
+
+def test_probe_reads_verls_version_from_the_server_actor_for_verls_own_engines(tmp_path):
+    """verl's own engines leave SGLang's weight_version at "default": the probe reads the `global_steps` verl's
+    server actor records after each update (a real Ray actor with verl's attribute and setter)."""
+    import argparse
+
+    import ray
+
+    @ray.remote
+    class Server:  # the two members of verl's SGLangHttpServer the probe relies on
+        def __init__(self):
+            self.global_steps = None
+
+        async def set_global_steps(self, global_steps: int):
+            self.global_steps = global_steps
+
+    ray.init(num_cpus=1, include_dashboard=False, namespace="verl_p2p_tiny", logging_level="ERROR")
+    try:
+        server = Server.options(name="sglang_server_0_0").remote()
+        args = argparse.Namespace(version_from="verl", actor="sglang_server_0_0")
+        assert grpo_check.rollout_version(args, "http://unused") is None  # before the first sync
+        ray.get(server.set_global_steps.remote(3))
+        assert grpo_check.rollout_version(args, "http://unused") == "3"
+    finally:
+        ray.shutdown()
+
+
+@pytest.mark.parametrize(
+    "versions, in_order",
+    [(["default", "0", "1", "2", "10"], True), (["default", "3", "2"], False), (["1", "default"], False)],
+)
+def test_sglangs_start_up_version_default_comes_before_every_sync(tmp_path, versions, in_order):
+    """The probe sees SGLang's own "default" before the first sync (the H200 save/resume runs): it is first in
+    order, not sorted after the numbers as a longer string."""
+    lines = [CHECKED] + [console(i) for i in (1, 2, 3, 4)]
+    run(tmp_path, lines)  # writes the other inputs
+    records = {v: {"t": float(i)} for i, v in enumerate(versions)}
+    (tmp_path / "probe.json").write_text(json.dumps({"records": records}))
+    args = [
+        "summary", "--log", str(tmp_path / "run.log"), "--metrics", str(tmp_path / "metrics.jsonl"),
+        "--probe", str(tmp_path / "probe.json"), "--compare", str(tmp_path / "compare.json"),
+        "--steps", "4", "--rc", "0", "--out", str(tmp_path / "summary.json"),
+    ]  # fmt: skip
+    grpo_check.main(args)
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["rollout_versions_in_order"] is in_order and s["ok"] is in_order

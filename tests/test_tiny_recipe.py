@@ -132,7 +132,10 @@ def test_every_run_of_the_gpu_report_passes_verls_config_validation(variant):
     else:
         check_p2p_config(cfg, module)
         assert engine.engine_kwargs["verl_p2p"]["check_weight_update_equal"] is True
-    assert cfg.trainer.resume_mode == ("auto" if env.get("RESUME") == "1" or env.get("BACKEND") else "disable")
+    assert cfg.trainer.resume_mode == ("auto" if env.get("RESUME") == "1" else "disable")
+    # verl leaves the rollout's name mandatory (`???`): every backend's run must name SGLang itself (the mooncake
+    # run on the H200 stopped at MissingMandatoryValue before it did)
+    assert cfg.actor_rollout_ref.rollout.name == "sglang" and cfg.actor_rollout_ref.rollout.load_format == "auto"
     if env.get("SAVE_CONTENTS"):
         assert list(cfg.actor_rollout_ref.actor.checkpoint.save_contents) == ["model", "optimizer", "extra"]
     if script == TINY_ASYNC:
@@ -299,3 +302,42 @@ def test_run_setup_module_shows_p2p_info_lines_and_enables_te_free():
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "check_weight_update_equal: compare passed on 1 replica(s)" in proc.stderr
+
+
+@pytest.mark.parametrize("hook", [True, False], ids=["with-hook", "without-hook"])
+def test_one_gpu_hook_maps_every_ray_worker_before_its_first_task(monkeypatch, hook):
+    """A real local Ray cluster told it has 2 GPUs (the stand-in): with the recipe's worker start-up hook, the
+    actor on GPU slot "1" already sees "0" when its __init__ starts and in every later task, before any of its
+    own imports could touch CUDA; without it, Ray's "1" is what the actor starts with (the H200's fully_async
+    failure: the CUDA runtime read "1" during `import verl`)."""
+    import ray
+
+    tiny = ROOT / "recipes" / "tiny"
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tiny), str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", raising=False)
+    runtime_env = {"env_vars": {"VERL_P2P_ONE_GPU": "1"}}
+    if hook:
+        _, args, _ = composed(TINY, ONE_GPU="1")  # the hook exactly as the recipe names it
+        prefix = "+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook="
+        runtime_env["worker_process_setup_hook"] = next(a[len(prefix) :] for a in args if a.startswith(prefix))
+    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, logging_level="ERROR", runtime_env=runtime_env)
+    try:
+
+        @ray.remote(num_gpus=1)
+        class Probe:
+            def __init__(self):
+                self.at_init = os.environ.get("CUDA_VISIBLE_DEVICES")
+
+            def seen(self):
+                return ray.get_gpu_ids(), self.at_init, os.environ.get("CUDA_VISIBLE_DEVICES")
+
+        probes = [Probe.remote() for _ in range(2)]
+        seen = sorted(ray.get([p.seen.remote() for p in probes], timeout=120))
+    finally:
+        ray.shutdown()
+    assert [ids for ids, _, _ in seen] == [[0], [1]]  # Ray handed out both slots
+    if hook:
+        assert all(at_init == later == "0" for _, at_init, later in seen), seen
+    else:
+        assert seen[1][1] == "1", seen

@@ -111,7 +111,10 @@ fi
 # hands a worker onto the one device. Ray refuses num_gpus=2 while the driver's CUDA_VISIBLE_DEVICES names one GPU.
 if [[ "${ONE_GPU:-0}" == 1 ]]; then
     unset CUDA_VISIBLE_DEVICES
-    TINY_ARGS+=(+ray_kwargs.ray_init.num_gpus=2 "+$RAY_ENV.VERL_P2P_ONE_GPU='1'")
+    # Ray runs the hook in every worker before its first task: the mapping is in place before anything in that
+    # process asks for CUDA (the CUDA runtime reads CUDA_VISIBLE_DEVICES once, at its first use)
+    TINY_ARGS+=(+ray_kwargs.ray_init.num_gpus=2 "+$RAY_ENV.VERL_P2P_ONE_GPU='1'"
+        +ray_kwargs.ray_init.runtime_env.worker_process_setup_hook=tiny_run_setup.ray_worker_setup)
 fi
 
 # The weight-sync backend. p2p: this package's overlay and toggles (common.sh). verl's own engines: the same run
@@ -124,8 +127,12 @@ case "$BACKEND" in
         ;;
     mooncake | nixl)
         # verl's own search path (file://verl/trainer/config) resolves only from a verl checkout
+        # what p2p's overlay sets for the run: SGLang (verl's config leaves the name mandatory), the rollout
+        # loading the checkpoint's real weights, no resume unless asked (a stale checkpoint folder is not picked up)
         TINY_SYNC_ARGS=("hydra.searchpath=[pkg://verl.trainer.config]"
-            actor_rollout_ref.rollout.checkpoint_engine.backend="$BACKEND")
+            actor_rollout_ref.rollout.checkpoint_engine.backend="$BACKEND"
+            actor_rollout_ref.rollout.name=sglang actor_rollout_ref.rollout.load_format=auto)
+        [[ "${RESUME:-0}" == 1 ]] || TINY_SYNC_ARGS+=(trainer.resume_mode=disable)
         if [[ "$BACKEND" == mooncake && "${P2P_PROTOCOL:-tcp}" == tcp ]]; then
             export MC_FORCE_TCP=1
             TINY_SYNC_ARGS+=("+$RAY_ENV.MC_FORCE_TCP='1'")

@@ -8,8 +8,9 @@
   ONE_GPU=1): Ray is told the node has two GPUs, so verl's trainer pool and rollout pool each get one; Ray then
   hands a worker GPU id "0" or "1", and both are the one physical device. Ray sets CUDA_VISIBLE_DEVICES again
   before every task of an actor (not only at start-up), so the mapping also sits in Ray's own setter
-  (`map_ray_slots`): without it verl's CheckpointEngineWorker of the rollout pool saw "1" in its update_weights
-  task and SGLang's ServerArgs found no GPU (fully_async on the H200).
+  (`map_ray_slots`), installed by Ray's worker start-up hook (`ray_worker_setup`) before any task runs:
+  verl's CheckpointEngineWorker of the rollout pool otherwise initialised CUDA under "1" while importing verl,
+  and SGLang's ServerArgs in its update_weights task found no GPU (fully_async on the H200).
 """
 
 import logging
@@ -49,6 +50,16 @@ def map_ray_slots(manager=None) -> bool:
     set_visible.one_gpu_stand_in = True
     manager.set_current_process_visible_accelerator_ids = staticmethod(set_visible)
     return True
+
+
+def ray_worker_setup() -> None:
+    """Ray's `worker_process_setup_hook` (tiny/tiny_args.sh, ONE_GPU=1): runs in every Ray worker at start-up,
+    before its first task, so Ray's setter is mapped before the actor-creation task sets "1" and the actor's
+    imports touch CUDA. The mapping at `import verl` alone came too late in verl's rollout-pool worker: verl's
+    `utils.device` asks torch for CUDA before verl imports this module, the CUDA runtime read "1" (no such device
+    on a one-GPU host) and that process stayed without a GPU (fully_async on the H200)."""
+    map_onto_one_gpu()
+    map_ray_slots()
 
 
 map_onto_one_gpu()

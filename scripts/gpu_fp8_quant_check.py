@@ -1,8 +1,9 @@
 """The block-FP8 quantizer on a GPU, without pytest (the device's stack has none): exact bytes, then throughput.
 
 1. Exactness: tensors of several shapes (ragged edges included), dtypes and magnitudes, quantized on `--device`
-   by the one-launch Triton kernel directly (`quant/block_fp8_triton.py`, where it applies) and through
-   `quantize_many`, each compared byte for byte with the CPU torch reference.
+   by the torch reference itself on that device, by the one-launch Triton kernel directly
+   (`quant/block_fp8_triton.py`, where it applies) and through `quantize_many`, each compared byte for byte with
+   the CPU torch reference.
 2. Throughput, side by side in one run: a MoE layer's experts (`--experts` x 768 x 2048 bf16) through the fused
    kernel and through the eager torch reference on the same device, in G elements/s and GB/s of FP8 bytes.
 JSON to `--out`; exit 1 when any byte differs. `--device cpu` (CI) runs the eager path only.
@@ -33,7 +34,8 @@ def exactness(device: str) -> dict:
             tensors[0][..., : min(130, shape[-1])] = 0  # an all-zero block
             want = [quantize_block_fp8(t) for t in tensors]
             moved = [t.to(device) for t in tensors]
-            ways = {"quantize_many": quantize_many(moved)}
+            # eager: the torch reference itself on `--device` (what quantize_many falls back to)
+            ways = {"eager": [quantize_block_fp8(t) for t in moved], "quantize_many": quantize_many(moved)}
             if block_fp8_triton.available(moved[0], BLOCK):
                 q, s, _ = block_fp8_triton.quantize_list(moved, BLOCK, block_fp8.AMAX_FLOOR, block_fp8.FP8_E4M3_MAX)
                 ways["fused_kernel"] = [(q[j], s[j]) for j in range(len(moved))]
@@ -71,7 +73,7 @@ def throughput(device: str, experts: int, repeats: int) -> dict:
     for name, fn in runs.items():
         seconds = _timed(fn, device, repeats)
         best = min(seconds)
-        out[name] = {"seconds": seconds, "g_elements_per_s": numel / best / 1e9, "fp8_gbps": numel / best / 1e9}
+        out[name] = {"seconds": seconds, "g_elements_per_s": numel / best / 1e9}  # = GB/s of FP8 bytes
     if "fused" in out:
         out["fused_over_eager"] = out["fused"]["g_elements_per_s"] / out["eager"]["g_elements_per_s"]
     return {"tensors": experts, "shape": [768, 2048], "dtype": "bfloat16", **out}

@@ -255,17 +255,15 @@ def _variant_bf16(cfg: dict, specs: dict) -> tuple:
 def _variant_fp8(cfg: dict, specs: dict) -> tuple:
     """FP8 targets: the rollout serves the trainer's 128x128 block-FP8 checkpoint of the same model; its tensor
     list holds e4m3fn weights with fp32 block scales, and each conversion starts with the quantize step."""
-    from verl_p2p.quant.block_fp8 import BlockFp8Scheme
-    from verl_p2p.trainer.fp8_checkpoint import DEFAULT_QUANTIZATION_CONFIG
+    from verl_p2p.trainer.fp8_checkpoint import fp8_checkpoint_model
     from verl_p2p.trainer.fp8_stream import quantized_stream
 
-    qc = dict(DEFAULT_QUANTIZATION_CONFIG)
-    fp8_specs = BlockFp8Scheme.from_quantization_config(qc).checkpoint_specs(specs)
+    fp8_cfg, fp8_specs = fp8_checkpoint_model(cfg, specs)
 
     def prepare(hf: dict) -> dict:
         return dict(quantized_stream(hf.items(), fp8_specs))
 
-    return "fp8", {**cfg, "quantization_config": qc}, fp8_specs, prepare
+    return "fp8", fp8_cfg, fp8_specs, prepare
 
 
 def _run_variant(

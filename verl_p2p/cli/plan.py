@@ -85,13 +85,12 @@ def fp8_rollout(cfg: dict, specs: dict) -> tuple[dict, dict]:
     """The model as a block-FP8 rollout serves it: the trainer's 128x128 e4m3 checkpoint (what
     `verl_p2p.trainer.fp8_checkpoint` writes). A config that is already quantized (an FP8 checkpoint dir) is kept."""
     from verl_p2p.quant.block_fp8 import BlockFp8Scheme
-    from verl_p2p.trainer.fp8_checkpoint import DEFAULT_QUANTIZATION_CONFIG
+    from verl_p2p.trainer.fp8_checkpoint import fp8_checkpoint_model
 
     if cfg.get("quantization_config"):
         BlockFp8Scheme.from_hf_config(cfg)  # refuses what the quantizer cannot reproduce
         return cfg, specs
-    qc = dict(DEFAULT_QUANTIZATION_CONFIG)
-    return {**cfg, "quantization_config": qc}, BlockFp8Scheme.from_quantization_config(qc).checkpoint_specs(specs)
+    return fp8_checkpoint_model(cfg, specs)
 
 
 class Planner:

@@ -83,7 +83,10 @@ def quantize_block_fp8(
             f"{name}: {bad} NaN/inf value(s) cannot be quantized to FP8 (their blocks' scales would be NaN/inf); "
             "the trainer's weights diverged: fix the step that produced them before syncing"
         )
-    scale = amax.clamp(min=AMAX_FLOOR) / FP8_E4M3_MAX
+    # a tensor divisor, not the Python float: CUDA torch divides by a CPU scalar as a multiply by its reciprocal,
+    # which is not the correctly rounded quotient (the eager GPU bytes differed from the CPU's for 50 of 54 H200
+    # cases); tensor / tensor is IEEE division on every device, as the Triton kernel's div_rn
+    scale = amax.clamp(min=AMAX_FLOOR) / torch.full_like(amax, FP8_E4M3_MAX)
     q = (blocks / scale[..., :, None, :, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     q = q.reshape(*lead, nb * bn, kb * bk)
     if n % bn or k % bk:

@@ -23,6 +23,14 @@ DEFAULT_QUANTIZATION_CONFIG = {
 }
 
 
+def fp8_checkpoint_model(hf_config: Mapping, specs: Mapping, quantization_config: Mapping | None = None) -> tuple:
+    """(config, tensor specs) of the block-FP8 checkpoint `write_fp8_checkpoint` would write for a model with this
+    config and these HF tensor specs (name -> (shape, dtype)), without quantizing anything: what a plan or a
+    benchmark of an FP8 rollout is built from."""
+    qc = dict(quantization_config or DEFAULT_QUANTIZATION_CONFIG)
+    return {**hf_config, "quantization_config": qc}, BlockFp8Scheme.from_quantization_config(qc).checkpoint_specs(specs)
+
+
 def write_fp8_checkpoint(
     path: str | os.PathLike,
     hf_config: Mapping,

@@ -155,6 +155,13 @@ def test_stage_bytes_and_the_estimate_formula():
     assert s.wire_s == pytest.approx(0.2) and s.convert_s == pytest.approx(1.0)
     assert s.predicted_s == pytest.approx(1.0 + 0.01)  # max + one slot on the faster side (0.1 GB at 10 GB/s)
     assert est.wire_floor_s == pytest.approx(0.2) and est.predicted_s == s.predicted_s
+    # each target's 1 GB over its own 10 GB/s NIC: 0.1 s, below the sender's bounds here
+    assert est.receive_floor_s == pytest.approx(0.1) and est.bound == "convert"
+    slow_rollout = estimate_sync(
+        plan, dict.fromkeys(targets, {0: 10**9}), dict.fromkeys(targets, "k"), 80, 1, 10**8, rollout_nic_gbits=4
+    )
+    assert slow_rollout.receive_floor_s == pytest.approx(2.0) and slow_rollout.predicted_s == pytest.approx(2.0)
+    assert slow_rollout.bound == "receive" and slow_rollout.wire_floor_s == pytest.approx(2.0)
 
 
 def test_model_cards_are_the_published_shapes():
@@ -196,10 +203,12 @@ def test_plan_splits_each_target_over_the_idle_sources_and_shows_both(tiny_model
     parts from the write plan's parameters, together exactly the rank; the prediction without the split beside."""
     path, cfg = tiny_model
     argv = ["plan", "--model", str(path), "--trainer", "tp=1,ep=1,dp=4", "--rollout", "tp=2,ep=2"]
-    argv += ["--plan-cache-dir", str(tmp_path / "plans"), "--nic-gbps", "0.8", "--convert-gbps", "1000", "--json"]
+    # the rollout GPUs' NICs twice as fast as the trainer's: two senders per rank can fill one
+    argv += ["--plan-cache-dir", str(tmp_path / "plans"), "--nic-gbps", "0.8", "--rollout-nic-gbps", "1.6"]
+    argv += ["--convert-gbps", "1000", "--json"]
     assert cli_main(argv) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["senders"] == 4 and out["senders_without_split"] == 2
+    assert out["senders"] == 4 and out["senders_without_split"] == 2 and out["bound"] == "send"
     per_target: dict[str, list[int]] = {}
     for link in out["links"]:
         per_target.setdefault(f"e{link['engine']}r{link['rank']}", []).append(link["bytes"])
@@ -214,3 +223,12 @@ def test_plan_splits_each_target_over_the_idle_sources_and_shows_both(tiny_model
     assert cli_main(argv[:-1]) == 0
     text = capsys.readouterr().out
     assert "e0r0[2/2]:" in text and "without the split" in text and "4 of 4 sources send" in text
+
+    # equal NICs on both sides: a rank's bytes still arrive through its one NIC, so the split cannot beat that
+    argv[argv.index("--rollout-nic-gbps") + 1] = "0.8"
+    assert cli_main(argv) == 0
+    same = json.loads(capsys.readouterr().out)
+    biggest = max(same["target_bytes"].values())
+    assert same["bound"] == "receive" and same["receive_floor_s"] == pytest.approx(biggest / 1e8)
+    assert same["predicted_s"] == same["wire_floor_s"] == same["receive_floor_s"] > same["send_floor_s"]
+    assert same["predicted_s"] >= 0.99 * same["predicted_without_split_s"]

@@ -138,6 +138,7 @@ class Planner:
         convert_gbps: float,
         slot_bytes: int,
         split: bool = True,
+        rollout_nic: float | None = None,
     ) -> tuple[SyncEstimate, dict]:
         """The estimate of one layout pair; `split`: several sources per target where a stage has more ranks
         than there are targets (what p2p does), else one (idle ranks)."""
@@ -173,6 +174,7 @@ class Planner:
             convert_gbps,
             slot_bytes,
             part_bytes=part_bytes,
+            rollout_nic_gbits=rollout_nic,
         )
         return estimate, server_args
 
@@ -242,7 +244,10 @@ def estimate_json(est: SyncEstimate, trainer: Parallelism, rollout: Parallelism)
         "total_bytes": est.total_bytes,
         "senders": len(est.senders),
         "slowest_source": est.slowest.rank,
+        "send_floor_s": est.send_floor_s,
+        "receive_floor_s": est.receive_floor_s,
         "wire_floor_s": est.wire_floor_s,
+        "bound": est.bound,
         "predicted_s": est.predicted_s,
     }
 
@@ -282,8 +287,10 @@ def _print_estimate(
         )
     slow = est.slowest
     print(
-        f"slowest source {slow.rank} (stage {slow.pp_stage}): {_gb(slow.wire_bytes)} -> wire floor "
-        f"{est.wire_floor_s:.3f} s at {est.nic_gbits:g} Gb/s; predicted sync {est.predicted_s:.3f} s"
+        f"slowest source {slow.rank} (stage {slow.pp_stage}): {_gb(slow.wire_bytes)} -> send floor "
+        f"{est.send_floor_s:.3f} s at {est.nic_gbits:g} Gb/s; largest target {_gb(max(sizes))} -> receive floor "
+        f"{est.receive_floor_s:.3f} s at {est.rollout_nic_gbits or est.nic_gbits:g} Gb/s; predicted sync "
+        f"{est.predicted_s:.3f} s ({est.bound}-bound)"
     )
     if unsplit is not None:
         print(
@@ -293,14 +300,23 @@ def _print_estimate(
 
 
 def _assumptions(
-    nic_gbits: float, convert_gbps: float, convert_given: bool, slot_bytes: int, fp8: bool = False
+    nic_gbits: float,
+    convert_gbps: float,
+    convert_given: bool,
+    slot_bytes: int,
+    fp8: bool = False,
+    rollout_nic_gbits: float | None = None,
 ) -> dict:
     measured = DEFAULT_FP8_CONVERT_SOURCE if fp8 else DEFAULT_CONVERT_SOURCE
     source = "given with --convert-gbps" if convert_given else measured
+    rollout_nic = rollout_nic_gbits or nic_gbits
     return {
         "nic": f"one {nic_gbits:g} Gb/s NIC per trainer GPU ({nic_gbits / 8:g} GB/s)",
+        "rollout_nic": f"one {rollout_nic:g} Gb/s NIC per rollout GPU ({rollout_nic / 8:g} GB/s): a target rank's "
+        "bytes arrive through it however many sources split them",
         "convert": f"{convert_gbps:g} GB/s of rollout bytes produced per source ({source})",
-        "pipeline": f"two transfer slots of {slot_bytes >> 20} MB: predicted = max(convert, wire) + one slot",
+        "pipeline": f"two transfer slots of {slot_bytes >> 20} MB: predicted = max(max(convert, wire) + one "
+        "slot, the largest target's receive time)",
         "not_counted": "the trainer's HF export (Megatron all-gathers) and the rollout's pause/resume calls",
     }
 
@@ -318,6 +334,9 @@ def run(argv: list[str]) -> int:
     parser.add_argument("--trainer", help="trainer layout, e.g. tp=4,pp=2,ep=8 (optional dp=)")
     parser.add_argument("--rollout", help="rollout layout and replicas, e.g. tp=8,ep=8,dp_attn=8x4")
     parser.add_argument("--nic-gbps", type=float, default=DEFAULT_NIC_GBITS, help="NIC per trainer GPU, Gb/s")
+    parser.add_argument(
+        "--rollout-nic-gbps", type=float, default=None, help="NIC per rollout GPU, Gb/s (default: --nic-gbps)"
+    )
     parser.add_argument("--convert-gbps", type=float, default=None, help="conversion throughput per source, GB/s")
     parser.add_argument("--bucket-mb", type=int, default=512, help="transfer slot size (bucket_size_mb)")
     parser.add_argument("--anchors", action="store_true", help="predict at the published figures' layouts")
@@ -362,8 +381,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     fp8 = args.rollout_quant == "fp8"
     measured = DEFAULT_FP8_CONVERT_GBPS if fp8 else DEFAULT_CONVERT_GBPS
     convert_gbps = args.convert_gbps if args.convert_gbps is not None else measured
-    if args.nic_gbps <= 0 or convert_gbps <= 0 or args.bucket_mb <= 0:
-        parser.error("--nic-gbps, --convert-gbps and --bucket-mb must be positive")
+    if args.nic_gbps <= 0 or convert_gbps <= 0 or args.bucket_mb <= 0 or (args.rollout_nic_gbps or 1) <= 0:
+        parser.error("--nic-gbps, --rollout-nic-gbps, --convert-gbps and --bucket-mb must be positive")
     slot_bytes = args.bucket_mb << 20
 
     from verl_p2p.replica.plan_cache import PlanCache
@@ -372,7 +391,9 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     install_cpu_stubs()  # SGLang's model classes import GPU kernels at import time; only captures need them
     cache = PlanCache.from_option(args.plan_cache_dir)
     planner = Planner(cfg, specs, cache, quiet=args.json)
-    assumptions = _assumptions(args.nic_gbps, convert_gbps, args.convert_gbps is not None, slot_bytes, fp8)
+    assumptions = _assumptions(
+        args.nic_gbps, convert_gbps, args.convert_gbps is not None, slot_bytes, fp8, args.rollout_nic_gbps
+    )
     out: dict[str, Any] = {
         "model": label,
         "card": card,
@@ -382,14 +403,25 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         "rollout_quant": args.rollout_quant,
         "rollout_bytes": sum(_numel(s) * d.itemsize for s, d in specs.values()),
         "nic_gbps": args.nic_gbps,
+        "rollout_nic_gbps": args.rollout_nic_gbps or args.nic_gbps,
         "convert_gbps": convert_gbps,
         "assumptions": assumptions,
     }
     if anchors:
         rows = []
         for p in published:
-            est, _ = planner.estimate(p.trainer, p.rollout, args.nic_gbps, convert_gbps, slot_bytes)
-            unsplit, _ = planner.estimate(p.trainer, p.rollout, args.nic_gbps, convert_gbps, slot_bytes, split=False)
+            est, _ = planner.estimate(
+                p.trainer, p.rollout, args.nic_gbps, convert_gbps, slot_bytes, rollout_nic=args.rollout_nic_gbps
+            )
+            unsplit, _ = planner.estimate(
+                p.trainer,
+                p.rollout,
+                args.nic_gbps,
+                convert_gbps,
+                slot_bytes,
+                split=False,
+                rollout_nic=args.rollout_nic_gbps,
+            )
             rows.append(
                 {
                     "system": p.system,
@@ -403,8 +435,12 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             )
         out["anchors"] = rows
     else:
-        est, _ = planner.estimate(trainer, rollout, args.nic_gbps, convert_gbps, slot_bytes)
-        unsplit, _ = planner.estimate(trainer, rollout, args.nic_gbps, convert_gbps, slot_bytes, split=False)
+        est, _ = planner.estimate(
+            trainer, rollout, args.nic_gbps, convert_gbps, slot_bytes, rollout_nic=args.rollout_nic_gbps
+        )
+        unsplit, _ = planner.estimate(
+            trainer, rollout, args.nic_gbps, convert_gbps, slot_bytes, split=False, rollout_nic=args.rollout_nic_gbps
+        )
         out.update(estimate_json(est, trainer, rollout))
         out.update(without_split_json(unsplit))
         out["published"] = [{"system": p.system, "published": p.figure(), "setting": p.setting} for p in published]
@@ -424,7 +460,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             print(
                 f"{row['system']:<24} {row['published']:>10} {row['predicted_s']:>9.3f}s {row['wire_floor_s']:>9.3f}s"
                 f" {row['predicted_without_split_s']:>9.3f}s  {row['trainer']['layout']} -> {row['rollout']['layout']}"
-                f" ({row['senders']} of {row['trainer']['ranks']} trainer GPUs send)"
+                f" ({row['senders']} of {row['trainer']['ranks']} trainer GPUs send; {row['bound']}-bound)"
             )
         for row in out["anchors"]:
             print(f"  {row['system']} {row['published']}: {row['setting']}; assumed: {row['assumed']}")

@@ -5,10 +5,14 @@ stage, every rollout rank gets one sender, or several each writing one part of i
 has more ranks than there are targets (`build_transfer_plan`); a sender converts the bytes of each distinct
 (rank layout, part) it serves once and writes them to every target holding that layout. The estimate:
 
-- wire: a source's bytes over its NIC (one NIC per trainer GPU); the slowest source is the wire floor;
+- wire: a source's bytes over its NIC (one NIC per trainer GPU);
+- receive: a target rank's bytes over its own NIC (one NIC per rollout GPU): however many sources split a
+  rank, its bytes arrive through one NIC, so several senders per rank pay off only where that NIC is faster
+  than a sender's, or the senders are slowed by conversion or by writing several targets;
 - convert: the bytes a source produces (once per distinct layout) at the conversion throughput;
 - predicted per source: max(convert, wire) plus one transfer slot of the other (two slots pipeline
-  conversion into one while the other is on the wire); the sync's prediction is the slowest source's.
+  conversion into one while the other is on the wire); the sync's prediction is the slowest source's, or the
+  slowest target's receive time where that is longer. The wire floor is the larger of the two wire bounds.
 
 Not counted: the trainer's HF export (Megatron all-gathers) and the rollout's pause/resume round trips.
 """
@@ -153,6 +157,7 @@ class SyncEstimate:
     convert_gbps: float
     slot_bytes: int
     target_bytes: Mapping[TargetRank, int] = field(default_factory=dict)
+    rollout_nic_gbits: float | None = None  # one NIC per rollout GPU; None: as fast as a trainer GPU's
 
     @property
     def senders(self) -> list[SourceEstimate]:
@@ -163,13 +168,31 @@ class SyncEstimate:
         return max(self.senders, key=lambda s: (s.predicted_s, s.wire_s, -s.rank))
 
     @property
-    def wire_floor_s(self) -> float:
-        """The slowest source's bytes over its NIC: no sync of this plan can be faster on this network."""
+    def send_floor_s(self) -> float:
+        """The slowest source's bytes over its NIC."""
         return max(s.wire_s for s in self.senders)
 
     @property
+    def receive_floor_s(self) -> float:
+        """The largest target rank's bytes over its own NIC (all its senders share it)."""
+        gbits = self.rollout_nic_gbits or self.nic_gbits
+        return max(self.target_bytes.values(), default=0) / (gbits * 1e9 / 8)
+
+    @property
+    def wire_floor_s(self) -> float:
+        """No sync of this plan can be faster on this network: the larger of the send and receive bounds."""
+        return max(self.send_floor_s, self.receive_floor_s)
+
+    @property
+    def bound(self) -> str:
+        """What decides the prediction: `receive` (a target's NIC), `send` (a source's NIC) or `convert`."""
+        if self.receive_floor_s > self.slowest.predicted_s:
+            return "receive"
+        return "send" if self.slowest.wire_s >= self.slowest.convert_s else "convert"
+
+    @property
     def predicted_s(self) -> float:
-        return self.slowest.predicted_s
+        return max(self.slowest.predicted_s, self.receive_floor_s)
 
     @property
     def total_bytes(self) -> int:
@@ -187,12 +210,18 @@ def estimate_sync(
     convert_gbps: float = DEFAULT_CONVERT_GBPS,
     slot_bytes: int = 512 << 20,
     part_bytes: PartBytes | None = None,
+    rollout_nic_gbits: float | None = None,
 ) -> SyncEstimate:
     """Per-source wire and conversion time of `transfer`; `bytes_by_stage[target][stage]` from the plans.
     `part_bytes`: the bytes of one part of a split target (from its parameters, `split_by_bytes`); without it
-    a part counts as an even share."""
-    if nic_gbits <= 0 or convert_gbps <= 0 or slot_bytes <= 0:
-        raise ValueError("NIC bandwidth, conversion throughput and slot size must be positive")
+    a part counts as an even share. `rollout_nic_gbits`: a rollout GPU's NIC (None: `nic_gbits`)."""
+    if (
+        nic_gbits <= 0
+        or convert_gbps <= 0
+        or slot_bytes <= 0
+        or (rollout_nic_gbits is not None and rollout_nic_gbits <= 0)
+    ):
+        raise ValueError("NIC bandwidths, conversion throughput and slot size must be positive")
     nic_bps, convert_bps = nic_gbits * 1e9 / 8, convert_gbps * 1e9
     sources = []
     for rank in sorted(transfer.tasks):
@@ -215,4 +244,4 @@ def estimate_sync(
         predicted = max(wire_s, convert_s) + one_slot if links else 0.0
         sources.append(SourceEstimate(rank, stage, links, convert_bytes, wire_s, convert_s, predicted, parts))
     totals = {t: sum(by.values()) for t, by in bytes_by_stage.items()}
-    return SyncEstimate(tuple(sources), nic_gbits, convert_gbps, slot_bytes, totals)
+    return SyncEstimate(tuple(sources), nic_gbits, convert_gbps, slot_bytes, totals, rollout_nic_gbits)

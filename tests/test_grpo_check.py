@@ -244,30 +244,40 @@ def test_verls_own_engine_needs_its_sync_timer_every_step_and_no_p2p_check(tmp_p
     assert not run(tmp_path, lines, False, 0, False, *mooncake)["ok"]  # rollout differs from the fresh server
 
 
-def test_probe_reads_verls_version_from_the_server_actor_for_verls_own_engines(tmp_path):
+VERL_VERSION_PROBE = """
+import argparse, importlib.util, json, sys
+import ray
+spec = importlib.util.spec_from_file_location("grpo_check", sys.argv[1])
+grpo_check = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(grpo_check)
+
+@ray.remote
+class Server:  # the two members of verl's SGLangHttpServer the probe relies on
+    def __init__(self):
+        self.global_steps = None
+
+    async def set_global_steps(self, global_steps: int):
+        self.global_steps = global_steps
+
+ray.init(num_cpus=1, include_dashboard=False, namespace="verl_p2p_tiny", logging_level="ERROR")
+server = Server.options(name="sglang_server_0_0").remote()
+args = argparse.Namespace(version_from="verl", actor="sglang_server_0_0")
+before = grpo_check.rollout_version(args, "http://unused")
+ray.get(server.set_global_steps.remote(3))
+print(json.dumps([before, grpo_check.rollout_version(args, "http://unused")]))
+ray.shutdown()
+"""
+
+
+def test_probe_reads_verls_version_from_the_server_actor_for_verls_own_engines():
     """verl's own engines leave SGLang's weight_version at "default": the probe reads the `global_steps` verl's
-    server actor records after each update (a real Ray actor with verl's attribute and setter)."""
-    import argparse
-
-    import ray
-
-    @ray.remote
-    class Server:  # the two members of verl's SGLangHttpServer the probe relies on
-        def __init__(self):
-            self.global_steps = None
-
-        async def set_global_steps(self, global_steps: int):
-            self.global_steps = global_steps
-
-    ray.init(num_cpus=1, include_dashboard=False, namespace="verl_p2p_tiny", logging_level="ERROR")
-    try:
-        server = Server.options(name="sglang_server_0_0").remote()
-        args = argparse.Namespace(version_from="verl", actor="sglang_server_0_0")
-        assert grpo_check.rollout_version(args, "http://unused") is None  # before the first sync
-        ray.get(server.set_global_steps.remote(3))
-        assert grpo_check.rollout_version(args, "http://unused") == "3"
-    finally:
-        ray.shutdown()
+    server actor records after each update (a real Ray actor with verl's attribute and setter), in its own
+    process (a Ray cluster started and shut down inside the test process breaks the next test's `ray.init`)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", VERL_VERSION_PROBE, SCRIPT], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [None, "3"]  # before the first sync, then verl's
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,7 @@ transformers (verl's hf_tokenizer), prompts through verl's RLHFDataset, rewards 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -304,38 +305,51 @@ def test_run_setup_module_shows_p2p_info_lines_and_enables_te_free():
     assert "check_weight_update_equal: compare passed on 1 replica(s)" in proc.stderr
 
 
+RAY_HOOK_PROBE = """
+import json, os, sys
+import ray
+runtime_env = json.loads(sys.argv[1])
+ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, logging_level="ERROR", runtime_env=runtime_env)
+
+@ray.remote(num_gpus=1)
+class Probe:
+    def __init__(self):
+        self.at_init = os.environ.get("CUDA_VISIBLE_DEVICES")
+
+    def seen(self):
+        return ray.get_gpu_ids(), self.at_init, os.environ.get("CUDA_VISIBLE_DEVICES")
+
+probes = [Probe.remote() for _ in range(2)]
+print(json.dumps(sorted(ray.get([p.seen.remote() for p in probes], timeout=120))))
+ray.shutdown()
+"""
+
+
 @pytest.mark.parametrize("hook", [True, False], ids=["with-hook", "without-hook"])
-def test_one_gpu_hook_maps_every_ray_worker_before_its_first_task(monkeypatch, hook):
+def test_one_gpu_hook_maps_every_ray_worker_before_its_first_task(hook):
     """A real local Ray cluster told it has 2 GPUs (the stand-in): with the recipe's worker start-up hook, the
     actor on GPU slot "1" already sees "0" when its __init__ starts and in every later task, before any of its
     own imports could touch CUDA; without it, Ray's "1" is what the actor starts with (the H200's fully_async
-    failure: the CUDA runtime read "1" during `import verl`)."""
-    import ray
-
+    failure: the CUDA runtime read "1" during `import verl`). Its own process: a Ray cluster started and shut
+    down inside the test process leaves state that breaks the next test's `ray.init`."""
     tiny = ROOT / "recipes" / "tiny"
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tiny), str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    monkeypatch.delenv("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", raising=False)
-    runtime_env = {"env_vars": {"VERL_P2P_ONE_GPU": "1"}}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("CUDA_VISIBLE_DEVICES", "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES")
+    }
+    env["PYTHONPATH"] = os.pathsep.join([str(tiny), str(ROOT), os.environ.get("PYTHONPATH", "")])
+    runtime_env: dict = {"env_vars": {"VERL_P2P_ONE_GPU": "1"}}
     if hook:
         _, args, _ = composed(TINY, ONE_GPU="1")  # the hook exactly as the recipe names it
         prefix = "+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook="
         runtime_env["worker_process_setup_hook"] = next(a[len(prefix) :] for a in args if a.startswith(prefix))
-    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, logging_level="ERROR", runtime_env=runtime_env)
-    try:
-
-        @ray.remote(num_gpus=1)
-        class Probe:
-            def __init__(self):
-                self.at_init = os.environ.get("CUDA_VISIBLE_DEVICES")
-
-            def seen(self):
-                return ray.get_gpu_ids(), self.at_init, os.environ.get("CUDA_VISIBLE_DEVICES")
-
-        probes = [Probe.remote() for _ in range(2)]
-        seen = sorted(ray.get([p.seen.remote() for p in probes], timeout=120))
-    finally:
-        ray.shutdown()
+    proc = subprocess.run(
+        [sys.executable, "-c", RAY_HOOK_PROBE, json.dumps(runtime_env)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
     assert [ids for ids, _, _ in seen] == [[0], [1]]  # Ray handed out both slots
     if hook:
         assert all(at_init == later == "0" for _, at_init, later in seen), seen

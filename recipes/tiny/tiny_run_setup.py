@@ -62,7 +62,6 @@ def ray_worker_setup() -> None:
     map_ray_slots()
 
 
-map_onto_one_gpu()
-map_ray_slots()
+ray_worker_setup()  # also at import: verl imports this module in every process (after its own start-up)
 te_free.enable()
 logging.getLogger("verl_p2p").setLevel(logging.INFO)

@@ -289,7 +289,7 @@ def _print_estimate(
     print(
         f"slowest source {slow.rank} (stage {slow.pp_stage}): {_gb(slow.wire_bytes)} -> send floor "
         f"{est.send_floor_s:.3f} s at {est.nic_gbits:g} Gb/s; largest target {_gb(max(sizes))} -> receive floor "
-        f"{est.receive_floor_s:.3f} s at {est.rollout_nic_gbits or est.nic_gbits:g} Gb/s; predicted sync "
+        f"{est.receive_floor_s:.3f} s at {est.receive_gbits:g} Gb/s; predicted sync "
         f"{est.predicted_s:.3f} s ({est.bound}-bound)"
     )
     if unsplit is not None:
@@ -304,12 +304,11 @@ def _assumptions(
     convert_gbps: float,
     convert_given: bool,
     slot_bytes: int,
-    fp8: bool = False,
-    rollout_nic_gbits: float | None = None,
+    fp8: bool,
+    rollout_nic: float,
 ) -> dict:
     measured = DEFAULT_FP8_CONVERT_SOURCE if fp8 else DEFAULT_CONVERT_SOURCE
     source = "given with --convert-gbps" if convert_given else measured
-    rollout_nic = rollout_nic_gbits or nic_gbits
     return {
         "nic": f"one {nic_gbits:g} Gb/s NIC per trainer GPU ({nic_gbits / 8:g} GB/s)",
         "rollout_nic": f"one {rollout_nic:g} Gb/s NIC per rollout GPU ({rollout_nic / 8:g} GB/s): a target rank's "
@@ -381,7 +380,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     fp8 = args.rollout_quant == "fp8"
     measured = DEFAULT_FP8_CONVERT_GBPS if fp8 else DEFAULT_CONVERT_GBPS
     convert_gbps = args.convert_gbps if args.convert_gbps is not None else measured
-    if args.nic_gbps <= 0 or convert_gbps <= 0 or args.bucket_mb <= 0 or (args.rollout_nic_gbps or 1) <= 0:
+    rollout_nic = args.rollout_nic_gbps if args.rollout_nic_gbps is not None else args.nic_gbps
+    if args.nic_gbps <= 0 or rollout_nic <= 0 or convert_gbps <= 0 or args.bucket_mb <= 0:
         parser.error("--nic-gbps, --rollout-nic-gbps, --convert-gbps and --bucket-mb must be positive")
     slot_bytes = args.bucket_mb << 20
 
@@ -391,9 +391,15 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     install_cpu_stubs()  # SGLang's model classes import GPU kernels at import time; only captures need them
     cache = PlanCache.from_option(args.plan_cache_dir)
     planner = Planner(cfg, specs, cache, quiet=args.json)
-    assumptions = _assumptions(
-        args.nic_gbps, convert_gbps, args.convert_gbps is not None, slot_bytes, fp8, args.rollout_nic_gbps
-    )
+    assumptions = _assumptions(args.nic_gbps, convert_gbps, args.convert_gbps is not None, slot_bytes, fp8, rollout_nic)
+
+    def estimates(trainer: Parallelism, rollout: Parallelism) -> tuple[SyncEstimate, SyncEstimate]:
+        """This layout pair with the split (what p2p does) and without it (one source per target and stage)."""
+        network = (args.nic_gbps, convert_gbps, slot_bytes)
+        est, _ = planner.estimate(trainer, rollout, *network, rollout_nic=rollout_nic)
+        unsplit, _ = planner.estimate(trainer, rollout, *network, split=False, rollout_nic=rollout_nic)
+        return est, unsplit
+
     out: dict[str, Any] = {
         "model": label,
         "card": card,
@@ -403,25 +409,14 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         "rollout_quant": args.rollout_quant,
         "rollout_bytes": sum(_numel(s) * d.itemsize for s, d in specs.values()),
         "nic_gbps": args.nic_gbps,
-        "rollout_nic_gbps": args.rollout_nic_gbps or args.nic_gbps,
+        "rollout_nic_gbps": rollout_nic,
         "convert_gbps": convert_gbps,
         "assumptions": assumptions,
     }
     if anchors:
         rows = []
         for p in published:
-            est, _ = planner.estimate(
-                p.trainer, p.rollout, args.nic_gbps, convert_gbps, slot_bytes, rollout_nic=args.rollout_nic_gbps
-            )
-            unsplit, _ = planner.estimate(
-                p.trainer,
-                p.rollout,
-                args.nic_gbps,
-                convert_gbps,
-                slot_bytes,
-                split=False,
-                rollout_nic=args.rollout_nic_gbps,
-            )
+            est, unsplit = estimates(p.trainer, p.rollout)
             rows.append(
                 {
                     "system": p.system,
@@ -435,12 +430,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             )
         out["anchors"] = rows
     else:
-        est, _ = planner.estimate(
-            trainer, rollout, args.nic_gbps, convert_gbps, slot_bytes, rollout_nic=args.rollout_nic_gbps
-        )
-        unsplit, _ = planner.estimate(
-            trainer, rollout, args.nic_gbps, convert_gbps, slot_bytes, split=False, rollout_nic=args.rollout_nic_gbps
-        )
+        est, unsplit = estimates(trainer, rollout)
         out.update(estimate_json(est, trainer, rollout))
         out.update(without_split_json(unsplit))
         out["published"] = [{"system": p.system, "published": p.figure(), "setting": p.setting} for p in published]

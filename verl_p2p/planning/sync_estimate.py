@@ -173,10 +173,14 @@ class SyncEstimate:
         return max(s.wire_s for s in self.senders)
 
     @property
+    def receive_gbits(self) -> float:
+        """A rollout GPU's NIC, Gb/s."""
+        return self.rollout_nic_gbits or self.nic_gbits
+
+    @property
     def receive_floor_s(self) -> float:
         """The largest target rank's bytes over its own NIC (all its senders share it)."""
-        gbits = self.rollout_nic_gbits or self.nic_gbits
-        return max(self.target_bytes.values(), default=0) / (gbits * 1e9 / 8)
+        return max(self.target_bytes.values(), default=0) / (self.receive_gbits * 1e9 / 8)
 
     @property
     def wire_floor_s(self) -> float:

@@ -3,7 +3,7 @@
 On CUDA the replica's copies into a transfer slot are asynchronous; the pusher synchronizes the feeds' devices
 before the transport reads the slot. Found on the H200 (Qwen3-4B-shaped GRPO run, GPU feeds into pinned host
 slots, tcp): a parameter that opened a new slot was registered for the fence before `_space` flushed (and
-cleared) it, so its bytes went out before its copy finished: the first ~0.5 MB of `embed_tokens` arrived as the
+cleared) it, so its bytes went out before its copy finished: the start of `embed_tokens` arrived as the
 zeros of fresh pinned memory, which check_weight_update_equal caught. This runs the real `_Pusher` and
 `TransferBuffers`; the feeds only claim a CUDA device and `torch.cuda.synchronize` is recorded, since this host
 has no GPU (the loads are the events the fence must order)."""

@@ -10,6 +10,9 @@ set -euo pipefail
 CHECK_WEIGHTS=${CHECK_WEIGHTS:-1}
 P2P_PROTOCOL=${P2P_PROTOCOL:-tcp}
 VERSIONS=${VERSIONS:-6}
+# responses long enough that the rollouter is still generating when the trainer syncs (at 32 tokens every sample
+# was done in a fraction of a training step and no request was ever in flight at a sync: 0 partial rollouts, H200)
+RESPONSE_LENGTH=${RESPONSE_LENGTH:-256}
 STEPS=$VERSIONS
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 source "$P2P_ROOT/recipes/tiny/tiny_args.sh"
@@ -29,6 +32,7 @@ ARGS=(
     async_training.staleness_threshold=0.5
     async_training.partial_rollout=true
     async_training.concurrent_samples_per_replica=16
+    data.max_response_length=$RESPONSE_LENGTH
     actor_rollout_ref.rollout.calculate_log_probs=true
     actor_rollout_ref.actor.use_rollout_log_probs=true
     # Ray's logical CPU slots: verl's FullyAsyncRollouter actor asks for 10 CPUs, the task runner, trainer, workers,
@@ -36,6 +40,10 @@ ARGS=(
     +ray_kwargs.ray_init.num_cpus=${RAY_CPUS:-48}
     trainer.experiment_name=tiny-fully-async-${BACKEND}
     trainer.val_before_train=false
+    # verl's validation after the last sync, on the last version's weights: the rollout generates (and lives) after
+    # it, so the check beside the run can probe the version it ends with (without it verl shut the rollout down
+    # within a tenth of a second of the last sync, before the probe read it: H200)
+    trainer.test_freq=$VERSIONS
     # one save, forced at the end (verl saves then whenever save_freq > 0): the last synced version's weights
     trainer.save_freq=1000
 )

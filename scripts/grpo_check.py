@@ -123,6 +123,10 @@ def cmd_probe(args) -> int:
         write_json(out, state)
         return 1
     write_json(out, state)
+    if args.version_from == "sglang" and not args.url:  # HTTP from here on: leave the cluster (a driver still
+        import ray  # attached when the run's cluster goes away is aborted by Ray, losing the probe's last write)
+
+        ray.shutdown()
     seen = None
     while not stop["now"] and time.monotonic() < deadline:
         try:
@@ -360,7 +364,9 @@ def cmd_summary(args) -> int:
         summary["fully_async"] = async_versions(trained)
         summary["p2p_syncs"] = len(syncs)
         every = len(syncs) >= args.steps
-        versions_ok = summary["fully_async"]["versions_non_decreasing"]
+        # and requests were in flight when syncs started (verl's partial-rollout count), what the run is meant to show
+        versions = summary["fully_async"]
+        versions_ok = versions["versions_non_decreasing"] and versions["partial_rollouts"] > 0
     else:
         every = bool(per_step) and all(per_step.values())
         versions_ok = True

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from verl_p2p.errors import QuantizationError
-from verl_p2p.quant.block_fp8 import BLOCK, BlockFp8Scheme, quantize_block_fp8, quantize_many
+from verl_p2p.quant.block_fp8 import BLOCK, BlockFp8Scheme, quantize_block_fp8, quantize_many, raise_if_nonfinite
 
 # --------------------------------------------------------------------------------------- the independent formula
 
@@ -143,6 +143,15 @@ def test_non_finite_refused(bad):
         quantize_block_fp8(x, name="layers.0.q_proj.weight")
     with pytest.raises(QuantizationError, match=r"b: 1 NaN/inf"):  # the batched path names the culprit
         quantize_many([torch.ones(256, 256), x, torch.ones(256, 256)], names=["a", "b", "c"])
+    # deferred (no device wait per call): nothing raised, the counts kept; refused later, naming the same tensor
+    nonfinite: list = []
+    tensors = [torch.ones(256, 256), torch.ones(128, 256), x, torch.ones(256, 256)]
+    out = quantize_many(tensors, names=["a", "lone", "b", "c"], nonfinite=nonfinite)
+    assert len(out) == 4 and sum(len(names) for names, _ in nonfinite) == 4
+    assert torch.equal(out[1][0].view(torch.uint8), quantize_block_fp8(tensors[1])[0].view(torch.uint8))
+    with pytest.raises(QuantizationError, match=r"^b: 1 NaN/inf value\(s\).*diverged"):
+        raise_if_nonfinite(nonfinite)
+    raise_if_nonfinite([(names, counts) for names, counts in nonfinite if "b" not in names])  # the rest is finite
 
 
 def test_wrong_inputs_refused():
@@ -281,3 +290,35 @@ def test_fused_gpu_kernel_gives_the_reference_bytes_itself():
         quantize_many([t.cuda(), torch.randn(130, 130).cuda()], names=["w.nan", "w.ok"])
     quantize_many([torch.randn(256, 256).cuda() for _ in range(3)])
     assert block_fp8._fused_checked["state"] is True  # its first batch matched the reference: it stays on
+    nonfinite: list = []  # the deferred path through the kernel: no wait per call, the culprit named later
+    quantize_many([torch.randn(130, 130).cuda(), t.cuda()], names=["w.ok", "w.nan"], nonfinite=nonfinite)
+    with pytest.raises(QuantizationError, match=r"^w\.nan: 2 NaN/inf"):
+        block_fp8.raise_if_nonfinite(nonfinite)
+    assert block_fp8.warm_up([(768, 2048), (4, 768, 2048), (130, 130)], (torch.bfloat16,), torch.device("cuda")) == 2
+
+
+def test_fp8_warm_up_takes_the_shapes_the_push_quantizes(monkeypatch):
+    """Before the pause, the trainer compiles the GPU quantizer for every planned FP8 weight's [N, K] (nothing on
+    a CPU host: the reference runs there)."""
+    from types import SimpleNamespace
+
+    from verl_p2p.quant import block_fp8
+    from verl_p2p.trainer import source
+
+    assert block_fp8.warm_up([(256, 256)], (torch.bfloat16,), torch.device("cpu")) == 0
+    seen = []
+    monkeypatch.setattr(block_fp8, "warm_up", lambda shapes, dtypes, device: seen.append((set(shapes), dtypes)))
+    planned = {
+        "model.layers.0.mlp.down_proj.weight": ((2048, 768), torch.float8_e4m3fn),
+        "model.layers.0.mlp.down_proj.weight_scale_inv": ((16, 6), torch.float32),
+        "model.layers.0.self_attn.q_proj.weight": ((4096, 2048), torch.float8_e4m3fn),
+        "model.layers.0.self_attn.q_proj.weight_scale_inv": ((32, 16), torch.float32),
+        "model.norm.weight": ((2048,), torch.bfloat16),
+    }
+    source._warm_fp8_quantizer([SimpleNamespace(plan=SimpleNamespace(hf_specs=planned))])
+    assert seen == [({(2048, 768), (4096, 2048)}, (torch.bfloat16, torch.float32))]
+    seen.clear()
+    source._warm_fp8_quantizer(
+        [SimpleNamespace(plan=SimpleNamespace(hf_specs={"model.norm.weight": planned["model.norm.weight"]}))]
+    )
+    assert seen == []  # a bf16 rollout: nothing to warm

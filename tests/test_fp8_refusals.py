@@ -149,6 +149,24 @@ def test_quantize_step_emits_weights_then_scales_in_stream_order():
     assert out[4][1] is norm
 
 
+def test_quantize_step_refuses_a_non_finite_weight_when_the_stream_ends_naming_it():
+    """The stream does not wait for the device per batch: a NaN weight is refused at its end, before the push it
+    feeds can report success, with the quantizer's message."""
+    planned = {
+        W: ((256, 130), torch.float8_e4m3fn),
+        W + "_scale_inv": ((2, 2), torch.float32),
+        "model.norm.weight": ((130,), torch.bfloat16),
+    }
+    q = torch.ones(256, 130, dtype=torch.bfloat16)
+    q[7, 100] = float("nan")
+    stream = quantized_stream([(W, q), ("model.norm.weight", torch.ones(130, dtype=torch.bfloat16))], planned)
+    got = []
+    with pytest.raises(QuantizationError, match=r"q_proj\.weight: 1 NaN/inf value\(s\).*diverged"):
+        for name, _ in stream:
+            got.append(name)
+    assert got == [W, W + "_scale_inv", "model.norm.weight"]  # raised after the last item, not silently done
+
+
 def test_quantize_step_refuses_fp8_weights_without_block_scales():
     planned = {W: ((256, 130), torch.float8_e4m3fn), W + "_scale_inv": ((1, 1), torch.float32)}
     with pytest.raises(QuantizationError, match=r"not fp32 \(2, 2\) \(one per 128x128 block\).*fp8_checkpoint"):

@@ -222,6 +222,10 @@ def test_fully_async_reads_p2p_sync_lines_and_the_samples_versions(tmp_path):
     assert not run(tmp_path, back, True, 0, False, "--mode", "fully_async")["ok"]  # versions going back
     few = [CHECKED] + [sync_line(v) for v in range(2)] + [async_step(s, s, 0.0) for s in (1, 2, 3, 4)]
     assert not run(tmp_path, few, True, 0, False, "--mode", "fully_async")["ok"]  # fewer syncs than steps
+    # no request in flight at any sync (the H200 run with 32-token responses): not what the run must show
+    idle = [CHECKED] + [sync_line(v) for v in range(5)] + [async_step(s, s, 0.0) for s in (1, 2, 3, 4)]
+    s = run(tmp_path, idle, True, 0, False, "--mode", "fully_async")
+    assert not s["ok"] and s["fully_async"]["partial_rollouts"] == 0.0 and s["fully_async"]["versions_non_decreasing"]
 
 
 def verl_engine_step(step: int, timed: bool = True) -> str:

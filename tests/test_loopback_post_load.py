@@ -6,7 +6,9 @@ w_kc / w_vc from kv_b_proj) claims SGLang 0.5.23, so it has weight-update sessio
 Mooncake tcp writes of MirrorPush: every parameter x 2) leaves w_kc / w_vc stale until `/end_weight_update`
 re-runs the model's post-processing; after it they equal what SGLang's own loader derives from the new weights
 (its start-up load of the same checkpoint, x 2: the derivation is reshape/transpose, exact under a power-of-two
-scale).
+scale). The same with a 128x128 block-FP8 checkpoint (the trainer's quantizer wrote it): `w_kc`/`w_vc` come from
+kv_b_proj dequantized with its scales at session end, as SGLang's FP8 load derives them; x 2 keeps the e4m3 bytes
+and doubles the scales, so after end they are exactly x 2 too.
 """
 
 from __future__ import annotations
@@ -19,26 +21,45 @@ import torch
 
 from verl_p2p.config import P2PConfig
 from verl_p2p.loopback.engine import EngineSpec, loopback_engines
-from verl_p2p.loopback.mirror_push import MirrorPush
+from verl_p2p.loopback.mirror_push import MirrorPush, scaled
 from verl_p2p.rollout.adapter import P2PReplicaAdapter
 from verl_p2p.rollout.lifecycle import SyncLifecycle
 from verl_p2p.sandbox.tiny import write_tiny_checkpoint
+from verl_p2p.trainer.fp8_checkpoint import quantize_checkpoint
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 pytestmark = pytest.mark.slow
 
 CONFIG = P2PConfig(protocol="tcp", hostname="127.0.0.1", p2p_transfer_timeout=10.0, http_timeout=60.0)
 MLA = tuple(f"model.layers.{i}.self_attn.{w}" for i in range(3) for w in ("w_kc", "w_vc"))
+SCALES = tuple(f"model.layers.{i}.self_attn.w_scale" for i in range(3))
 
 
-def test_session_end_rebuilds_mla_derived_tensors_as_sglang_loads_them(tmp_path):
-    model = write_tiny_checkpoint(tmp_path / "dsv3", "deepseek_v3", id_encoded=False)
-    spec = EngineSpec(tp=2, sglang_version="0.5.23", rank_timeout_s=60)
+def _bf16_mla_checkpoint(path):
+    from test_fp8_plan import MLA_128  # every TP shard a multiple of 128: SGLang's block-FP8 rule
+
+    return write_tiny_checkpoint(
+        path, "deepseek_v3", id_encoded=False, dtype=torch.bfloat16, torch_dtype="bfloat16", **MLA_128
+    )
+
+
+@pytest.mark.parametrize("weights", ["bf16", "fp8"])
+def test_session_end_rebuilds_mla_derived_tensors_as_sglang_loads_them(tmp_path, weights):
+    if weights == "bf16":
+        model = write_tiny_checkpoint(tmp_path / "dsv3", "deepseek_v3", id_encoded=False)
+    else:
+        model = quantize_checkpoint(_bf16_mla_checkpoint(tmp_path / "dsv3-bf16"), tmp_path / "dsv3-fp8")
+    dtype = "float32" if weights == "bf16" else "bfloat16"  # SGLang's FP8 method: bf16 activations and the rest
+    spec = EngineSpec(tp=2, sglang_version="0.5.23", rank_timeout_s=60, dtype=dtype)
     with loopback_engines([spec], str(model)) as engines:
         engine = engines[0]
         loaded = [engine.dump_derived(r) for r in range(2)]  # SGLang's loader, post_load_weights included
         for held in loaded:
             assert set(MLA) <= set(held)
+        if weights == "fp8":  # the rank holds the checkpoint's e4m3 bytes and block scales
+            params = engine.dump(0)
+            assert params["model.layers.0.self_attn.kv_b_proj.weight"].dtype == torch.float8_e4m3fn
+            assert params["model.layers.0.self_attn.kv_b_proj.weight_scale_inv"].dtype == torch.float32
         mirror = MirrorPush.of_engines(engines, timeout_s=10.0)
         stale: list[dict] = []
         mirror.after_write = lambda: stale.extend(engine.dump_derived(r) for r in range(2))  # inside the session
@@ -47,11 +68,21 @@ def test_session_end_rebuilds_mla_derived_tensors_as_sglang_loads_them(tmp_path)
             report = asyncio.run(lifecycle.sync(1, mirror.push(2.0)))
             assert report.engines_without_sessions == []
             assert mirror.mismatches(2.0) == []  # every published parameter holds the new bytes
+            # on a CPU rank SGLang keeps an FP8 kv_b_proj's w_kc/w_vc in e4m3 with one per-tensor scale w_scale
+            # (block_quant_to_tensor_quant; a CUDA rank dequantizes to bf16): x 2 keeps the bytes, doubles w_scale
+            names = MLA + (SCALES if weights == "fp8" else ())
             for rank in range(2):
                 before, after = stale[rank], engine.dump_derived(rank)
-                for name in MLA:
+                for name in names:
                     assert torch.equal(before[name], loaded[rank][name]), f"{name} changed before end"
-                    assert torch.equal(after[name], loaded[rank][name] * 2.0), f"rank {rank} {name} after end"
+                    want = scaled(loaded[rank][name], 2.0)
+                    got = after[name]
+                    assert got.dtype == want.dtype and torch.equal(
+                        got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)
+                    ), f"rank {rank} {name} after end"
+                if weights == "fp8":
+                    assert {after[n].dtype for n in MLA} == {torch.float8_e4m3fn}
+                    assert all(not torch.equal(after[n], before[n]) for n in SCALES)  # rebuilt at end
             ends = [e for e in engine.events() if e["path"] == "/end_weight_update"]
             assert ends and "post_load_weights ran" in ends[-1]["message"]
         finally:

@@ -78,10 +78,21 @@ class ActorGroupStandIn:
             for i, (engine, name) in enumerate(zip(self.engines, method, strict=True))
         ]
 
+    dead: dict = {}  # rank -> the exception its call raises instead (a dead actor), with one call per rank
+
     def update_weights(self, global_steps=None, mode="auto"):
         assert mode == "p2p"
         self.calls.append("update_weights")
-        return [self._push_all(global_steps)]
+        if not self.dead:
+            return [self._push_all(global_steps)]
+        return [  # as verl's worker group returns them: one call per rank
+            self._raise(self.dead[i]) if i in self.dead else e.send_weights(None, global_steps=global_steps)
+            for i, e in enumerate(self.engines)
+        ]
+
+    @staticmethod
+    async def _raise(error):
+        raise error
 
     async def _push_all(self, global_steps):
         """Every rank pushes; an error is raised as ray.get raises one. Real ranks gather each other's outcome over
@@ -213,6 +224,33 @@ def test_failed_push_leaves_the_replicas_paused_until_a_sync_rewrites_them(setup
         assert lifecycle(fake)[-len(SYNC) :] == SYNC
         assert fake.weight_version == "3" and not fake.paused and fake.violations == []
     assert targets_of(actors) == [TargetRank(e, r) for e in (0, 1) for r in (0, 1)]  # the full plan again
+
+
+class ActorDiedStandIn(Exception):
+    """Stand-in for Ray's RayActorError: what a call to a dead trainer rank raises (it names no target)."""
+
+
+def test_a_dead_trainer_rank_is_named_with_the_targets_it_left_unknown(setup, fakes):
+    """With one call per rank, every rank's outcome is waited for: the error names the dead rank and the targets of
+    its assignment, which alone are re-pushed."""
+    manager, actors, _ = setup
+    manager.update_weights(global_steps=1)
+    plan = {rank: set(engine._session.applied[-1].targets) for rank, engine in enumerate(actors.engines)}
+    assert plan[1] and not plan[0] & plan[1]
+    actors.dead = {1: ActorDiedStandIn("The actor died unexpectedly before finishing this task.")}
+    with pytest.raises(SyncError) as info:
+        manager.update_weights(global_steps=2)
+    text = str(info.value)
+    assert "trainer rank 1: ActorDiedStandIn: The actor died" in text
+    assert all(str(t) in text for t in plan[1]), text
+    # only rank 1's targets were re-pushed (the re-plan spreads them over the sources again): what is still
+    # unknown afterwards stays paused, every other replica was written whole, versioned and resumed
+    stale = set(info.value.stale_engines)
+    assert stale and stale <= {t.engine for t in plan[1]}
+    assert [f.step for f in info.value.failures][:1] == ["push"]
+    for engine, fake in enumerate(fakes[:2]):
+        assert fake.paused == (engine in stale) and fake.violations == []
+    actors.dead = {}
 
 
 def test_refuses_a_rollout_that_does_not_publish(setup, fakes):

@@ -121,6 +121,36 @@ def test_rank_info_changed_after_the_abort_is_replanned_inside_the_pause(fakes, 
     assert [s.weight_version for s in servers] == ["2", "2"]
 
 
+def test_a_server_restarted_after_the_abort_reached_it_is_paused_and_begun_again_before_the_push(fakes):
+    """The restart lands between begin and the recheck's read: the new server generates and has no session. It is
+    aborted and begun again before the push writes it (the stand-in refuses a write while generating or outside a
+    session), re-planned, versioned and resumed like the others; nothing is recorded as a violation."""
+    servers, journal, adapters, cfg = setup(fakes)
+    lifecycle = SyncLifecycle(adapters, cfg)
+    planned: list[Connection] = []
+    prepare, push = callbacks(servers, journal, planned)
+    asyncio.run(lifecycle.sync(1, push, prepare=prepare))
+    begun = threading.Event()
+    original = servers[1]._r_begin_weight_update
+
+    def begin_then_restart(method, query, body):
+        answer = original(method, query, body)
+        if not begun.is_set():  # the first begin of this sync reached the old server; right after, it restarts
+            begun.set()
+            threading.Timer(0.02, servers[1].restart, ({0: "127.0.0.1:19100", 1: "127.0.0.1:19101"},)).start()
+        return answer
+
+    servers[1]._r_begin_weight_update = begin_then_restart
+    servers[1].delay("get_transfer_engine_info", 0.3)  # the recheck's read answers after the restart
+    journal.clear()
+    report = asyncio.run(lifecycle.sync(2, push, prepare=prepare))
+    assert begun.is_set() and report.replanned_in_pause is not None
+    assert [s.weight_version for s in servers] == ["2", "2"]
+    assert all(not s.paused and not s.session_open and s.violations == [] for s in servers)
+    assert {"abort (restarted, inside the pause)", "begin (restarted, inside the pause)"} <= set(report.steps_in_pause)
+    assert planned[-1].rank_infos[planned[-1].targets[2]].session_id == "127.0.0.1:19100"
+
+
 def test_a_failed_prepare_fails_the_sync_before_anything_is_paused(fakes):
     servers, journal, adapters, cfg = setup(fakes)
     lifecycle = SyncLifecycle(adapters, cfg)

@@ -205,3 +205,39 @@ def test_a_plan_of_another_float_type_of_the_same_size_is_refused():
     for dtype in ("float16", "half"):
         with pytest.raises(ReplicaLoadError, match=r"dtype=.*w \(torch.bfloat16\).*rebuild it"):
             check_plan_dtypes(plan, {"dtype": dtype})
+
+
+def test_dtype_auto_is_resolved_from_the_checkpoint_the_rollout_serves(tmp_path, caplog):
+    """`--dtype auto` resolves from the rollout's own checkpoint (SGLang's rule): a rollout started from a bfloat16
+    copy of the float16 checkpoint the trainer plans from holds bfloat16, which no size check tells apart."""
+    import json
+
+    from verl_p2p.replica import stream
+    from verl_p2p.replica.stream import ReplicaLoadError, check_plan_dtypes
+
+    fp16 = _param("w", (4,), [_copy(0, (4,), (1,), "x", 0, (4,), (1,))], dtype=torch.float16)
+    plan = WritePlan({"w": fp16}, {"x": ((4,), torch.float32)})
+    planned_config = {"model_type": "qwen3", "torch_dtype": "float16"}
+    served = tmp_path / "bf16-copy"
+    served.mkdir()
+    (served / "config.json").write_text(json.dumps({"model_type": "qwen3", "torch_dtype": "bfloat16"}))
+    with pytest.raises(
+        ReplicaLoadError, match=r"dtype=auto from .*bf16-copy.*torch.bfloat16.*torch.float16.*rollout_model_path"
+    ):
+        check_plan_dtypes(plan, {"dtype": "auto", "model_path": str(served)}, planned_config)
+    # the same checkpoint config on both sides: accepted, and the resolved type still checks the plan's params
+    (served / "config.json").write_text(json.dumps(planned_config))
+    check_plan_dtypes(plan, {"dtype": "auto", "model_path": str(served)}, planned_config)
+    bf16 = _param("w", (4,), [_copy(0, (4,), (1,), "x", 0, (4,), (1,))], dtype=torch.bfloat16)
+    stale_plan = WritePlan({"w": bf16}, {"x": ((4,), torch.float32)})  # made for other server args
+    with pytest.raises(ReplicaLoadError, match=r"another 2-byte float type"):
+        check_plan_dtypes(stale_plan, {"dtype": "auto", "model_path": str(served)}, planned_config)
+    # SGLang's rule for float32 checkpoints: auto is float16 (not float32)
+    assert stream.auto_dtype({"model_path": None}, {"model_type": "qwen3", "torch_dtype": "float32"}) == torch.float16
+    # a path this host cannot read: the plan's resolution, and one warning naming the fix
+    caplog.set_level("WARNING")
+    gone = {"dtype": "auto", "model_path": str(tmp_path / "elsewhere")}
+    check_plan_dtypes(plan, gone, planned_config)
+    check_plan_dtypes(plan, gone, planned_config)
+    warned = [r for r in caplog.records if "cannot read" in r.getMessage()]
+    assert len(warned) == 1 and "explicit dtype" in warned[0].getMessage()

@@ -133,6 +133,9 @@ def test_every_run_of_the_gpu_report_passes_verls_config_validation(variant):
     else:
         check_p2p_config(cfg, module)
         assert engine.engine_kwargs["verl_p2p"]["check_weight_update_equal"] is True
+    # every backend's servers run without SGLang's memory saver, as p2p's do (verl's default turns it on, and the
+    # mooncake run on the H200 stopped at `import torch_memory_saver`, which the stack does not carry)
+    assert cfg.actor_rollout_ref.rollout.engine_kwargs["sglang"]["enable_memory_saver"] is False
     assert cfg.trainer.resume_mode == ("auto" if env.get("RESUME") == "1" else "disable")
     # verl leaves the rollout's name mandatory (`???`): every backend's run must name SGLang itself (the mooncake
     # run on the H200 stopped at MissingMandatoryValue before it did)
@@ -143,6 +146,9 @@ def test_every_run_of_the_gpu_report_passes_verls_config_validation(variant):
         assert module == "verl.experimental.fully_async_policy.fully_async_main"
         assert cfg.async_training.partial_rollout is True and cfg.async_training.trigger_parameter_sync_step == 1
         assert cfg.rollout.total_rollout_steps == 8 * 6 and cfg.trainer.save_freq > 6  # one save, forced at the end
+        # requests still generating when a sync starts (32-token responses never were: 0 partial rollouts on the
+        # H200), and verl's validation after the last sync keeps the rollout serving the version it ends with
+        assert cfg.data.max_response_length == 256 and cfg.trainer.test_freq == 6
         # the optimizer is built before verl's rollouter counts the steps: the schedule's length is set up front
         assert cfg.actor_rollout_ref.actor.optim.total_training_steps == 6
         # verl's rollouter actor alone asks for 10 CPUs: Ray is given enough logical slots to schedule it

@@ -128,10 +128,13 @@ case "$BACKEND" in
     mooncake | nixl)
         # verl's own search path (file://verl/trainer/config) resolves only from a verl checkout
         # what p2p's overlay sets for the run: SGLang (verl's config leaves the name mandatory), the rollout
-        # loading the checkpoint's real weights, no resume unless asked (a stale checkpoint folder is not picked up)
+        # loading the checkpoint's real weights, no resume unless asked (a stale checkpoint folder is not picked up),
+        # and SGLang's memory saver off (verl turns it on for every server; a standalone rollout keeps its weights,
+        # p2p's run has it off, and the H200 stack has no torch_memory_saver: the mooncake run stopped there)
         TINY_SYNC_ARGS=("hydra.searchpath=[pkg://verl.trainer.config]"
             actor_rollout_ref.rollout.checkpoint_engine.backend="$BACKEND"
-            actor_rollout_ref.rollout.name=sglang actor_rollout_ref.rollout.load_format=auto)
+            actor_rollout_ref.rollout.name=sglang actor_rollout_ref.rollout.load_format=auto
+            +actor_rollout_ref.rollout.engine_kwargs.sglang.enable_memory_saver=false)
         [[ "${RESUME:-0}" == 1 ]] || TINY_SYNC_ARGS+=(trainer.resume_mode=disable)
         if [[ "$BACKEND" == mooncake && "${P2P_PROTOCOL:-tcp}" == tcp ]]; then
             export MC_FORCE_TCP=1

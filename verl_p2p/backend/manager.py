@@ -32,7 +32,7 @@ from verl_p2p.backend import plugin
 from verl_p2p.backend.metrics import PREFIX
 from verl_p2p.backend.topology import SourceMeta, assign
 from verl_p2p.config import P2PConfig
-from verl_p2p.errors import P2PConfigError, P2PError
+from verl_p2p.errors import P2PConfigError, P2PError, PushError, unknown_targets_of
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +60,7 @@ class P2PCheckpointEngineManager(CheckpointEngineManager):
         self._checked: set[int] = set()
         self._sources: list[SourceMeta] | None = None
         self._plan_key: tuple | None = None
+        self._assigned: list[tuple] = []  # per trainer rank (worker-group order): the targets it writes
         self._generation = 0
         self.trainer_rounds = 0  # Ray rounds to the trainer other than the per-sync push (for tests and logs)
 
@@ -160,6 +161,7 @@ class P2PCheckpointEngineManager(CheckpointEngineManager):
         )
         self.trainer_rounds += 1
         self._plan_key = key
+        self._assigned = [tuple(assignments[s.rank].targets) for s in sources]
 
     async def _push(self, connection: Any, global_steps: int | None) -> dict:
         """The lifecycle's push step: every trainer rank exports and writes (a re-push's partial plan, or one the
@@ -167,7 +169,7 @@ class P2PCheckpointEngineManager(CheckpointEngineManager):
         await self._ensure_plan(connection, in_pause=True)
         pushes = self.actor_wg.update_weights(global_steps=global_steps, mode=self.backend)
         stamps = [s.set_global_steps.remote(global_steps) for r in self.replicas for s in getattr(r, "servers", [])]
-        results, _ = await asyncio.gather(self._on_trainer(pushes), self._on_trainer(stamps))
+        results, _ = await asyncio.gather(self._push_outcomes(pushes), self._on_trainer(stamps))
         metrics: dict = {}
         for result in results:
             if isinstance(result, dict):
@@ -184,6 +186,28 @@ class P2PCheckpointEngineManager(CheckpointEngineManager):
                 raise P2PError(f"actor rank(s) {wrong} are not p2p trainer engines (backend mismatch?)")
             self._sources = [a["source"] for a in answers]
         return self._sources
+
+    async def _push_outcomes(self, pushes: Any) -> list[Any]:
+        """Every trainer rank's push result; when ranks failed, one PushError naming each of them and the targets it
+        left unknown: those its error names, else (a rank that died, or failed before it knew) every target of its
+        assignment. Ray alone would raise the first error only, which for a dead rank names no target."""
+        calls = list(pushes or [])
+        outcomes = await _each(calls)
+        failed = [(i, o) for i, o in enumerate(outcomes) if isinstance(o, BaseException)]
+        if not failed:
+            return outcomes
+        per_rank = len(calls) == len(self._assigned)  # one call per rank, in worker-group order
+        unknown: set | None = set()
+        lines = []
+        for i, error in failed:
+            named = unknown_targets_of(error)
+            if named is None and per_rank:
+                named = frozenset(self._assigned[i])
+            who = f"trainer rank {i}" if per_rank else "the trainer"
+            left = ", ".join(str(t) for t in sorted(named, key=str)) if named is not None else "all (not known)"
+            lines.append(f"{who}: {type(error).__name__}: {_first_line(error)} (targets left unknown: {left})")
+            unknown = None if named is None or unknown is None else unknown | set(named)
+        raise PushError("p2p push failed on " + "; ".join(lines), unknown_targets=unknown) from failed[0][1]
 
     @staticmethod
     async def _on_trainer(calls: Any) -> list[Any]:
@@ -204,3 +228,31 @@ class P2PCheckpointEngineManager(CheckpointEngineManager):
 
 async def _value(value: Any) -> Any:
     return value
+
+
+async def _each(calls: list[Any]) -> list[Any]:
+    """Each call's value or exception, all of them waited for (Ray ObjectRefs off the event loop)."""
+    if not calls:
+        return []
+    import ray
+
+    if all(isinstance(c, ray.ObjectRef) for c in calls):
+
+        def get_each() -> list[Any]:
+            out = []
+            for ref in calls:
+                try:
+                    out.append(ray.get(ref))
+                except Exception as exc:  # noqa: BLE001 - each rank's outcome is reported
+                    out.append(exc)
+            return out
+
+        return await asyncio.to_thread(get_each)
+    return list(
+        await asyncio.gather(*(c if inspect.isawaitable(c) else _value(c) for c in calls), return_exceptions=True)
+    )
+
+
+def _first_line(error: BaseException, limit: int = 300) -> str:
+    text = str(error).strip().splitlines()
+    return (text[0] if text else "")[:limit]

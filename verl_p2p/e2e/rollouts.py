@@ -138,6 +138,7 @@ class SGLangServer:
             self.flags.append("--enable-memory-saver")
         self._proc: subprocess.Popen | None = None
         self._log = None
+        self.starts = 0  # server processes started so far: a request sent to an earlier one died with it
 
     @property
     def url(self) -> str:
@@ -157,6 +158,7 @@ class SGLangServer:
             command, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env=dict(os.environ)
         )
         self.started = time.perf_counter()
+        self.starts += 1
         return self
 
     def wait_ready(self, timeout_s: float = 900) -> float:

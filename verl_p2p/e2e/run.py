@@ -75,6 +75,11 @@ SIZES["4b"] = {
     )
 }
 PROMPT = [3, 17, 42, 99, 7, 150, 23, 88, 5, 61, 200, 14, 9, 77, 31, 128]
+# the generations a drill sends (while paused, while stale) use their own prompt: no prefix in common with PROMPT, so
+# they never leave PROMPT in the radix cache when the check's own generation comes. A cached prompt's greedy output
+# can differ from a fresh prefill's with the same bytes (near-tied logits of random weights: seen on the H200 at the
+# Qwen3-4B shape, every checksum equal), and the check compares against a fresh prefill.
+SIDE_PROMPT = [5, 250, 11, 64, 190, 2, 37, 140, 73, 19, 222, 8, 101, 46, 160, 27]
 NEW_TOKENS = 16
 DRILLS = ("kill", "wrong_session", "paused_call")
 
@@ -82,7 +87,8 @@ DRILLS = ("kill", "wrong_session", "paused_call")
 @dataclass
 class Expectation:
     checksums: dict[str, str]
-    generation: list[int] | None
+    generation: list[int] | None  # PROMPT, the first generation after a flush (a fresh prefill)
+    side_generation: list[int] | None = None  # SIDE_PROMPT, likewise
 
 
 @dataclass
@@ -167,6 +173,8 @@ class Harness:
         self.trainer_instance = 0
         self.held = 0  # the weight set the rollout holds now
         self.stale = False  # the last sync left the rollout paused with unknown weights
+        # generations sent while the rollout was stale, still held by it: (request, the server process it went to)
+        self.held_generations: list[tuple[asyncio.Task, int]] = []
         self.generate_next = True  # the next sync checks greedy generations too (the soak skips some)
 
     # ---- set-up -----------------------------------------------------------------------------------------------
@@ -247,8 +255,8 @@ class Harness:
         self.client = SGLangClient(self.rollout.url, bootstrap_url=self.rollout.bootstrap_url, timeout=60)
         fresh_client = SGLangClient(self.fresh.url, bootstrap_url=self.fresh.bootstrap_url, timeout=60)
         self.expect = {
-            0: Expectation(await self.rollout.checksums(self.client), await self._generate(self.rollout, self.client)),
-            1: Expectation(await self.fresh.checksums(fresh_client), await self._generate(self.fresh, fresh_client)),
+            0: await self._expectation(self.rollout, self.client),
+            1: await self._expectation(self.fresh, fresh_client),
         }
         fresh_client.close()
         self.fresh.stop()  # frees its GPU memory; the expectation is kept
@@ -270,8 +278,15 @@ class Harness:
 
         return quantize_checkpoint(checkpoint, checkpoint.with_name(checkpoint.name + "-fp8"))
 
-    async def _generate(self, rollout, client, timeout: float = 60) -> list[int] | None:
-        return await rollout.generate(client, PROMPT, NEW_TOKENS, timeout)
+    async def _expectation(self, rollout, client) -> Expectation:
+        """What a rollout holding these weights answers: its checksums, and each prompt's first generation."""
+        checksums = await rollout.checksums(client)
+        return Expectation(
+            checksums, await self._generate(rollout, client), await self._generate(rollout, client, side=True)
+        )
+
+    async def _generate(self, rollout, client, timeout: float = 60, side: bool = False) -> list[int] | None:
+        return await rollout.generate(client, SIDE_PROMPT if side else PROMPT, NEW_TOKENS, timeout)
 
     # ---- one sync ----------------------------------------------------------------------------------------------
 
@@ -356,6 +371,12 @@ class Harness:
             await asyncio.to_thread(self.trainer.wait_ready)
         if record.outcome == "ok":
             self.held = weights
+            # what was sent while paused or stale is served first, alone: the check's generation then starts from
+            # a flushed cache and shares no batch with them
+            for name, task in side_tasks.items():
+                await self._side_result(record, name, task, weights)
+            side_tasks = {}
+            await self._held_results(record, weights)
             await self._verify(record, weights)
         else:
             await self._after_failure(record)
@@ -401,13 +422,19 @@ class Harness:
             paused = not self.rollout.serving()
             record.checks.append(Check("unknown_weights_not_served", paused, "paused" if paused else "resumed"))
         else:
-            try:
-                served = await self._generate(self.rollout, self.client, timeout=getattr(self.args, "probe_timeout", 5))
-                record.notes["served_after_failure"] = served
+            # SGLang holds a request that comes while paused and serves it on resume: it must not answer now, and
+            # must answer with the weights of the sync that resumes it (checked there)
+            task = asyncio.ensure_future(self._generate(self.rollout, self.client, timeout=600, side=True))
+            await asyncio.wait({task}, timeout=getattr(self.args, "probe_timeout", 5))
+            if task.done() and task.exception() is None:
+                record.notes["served_after_failure"] = task.result()
                 ok = False
-            except Exception as exc:  # noqa: BLE001 - a paused server answers nothing: what we want
-                record.notes["generate_after_failure"] = f"not served ({type(exc).__name__})"
+            else:
+                what = f"failed ({type(task.exception()).__name__})" if task.done() else "held"
+                record.notes["generate_after_failure"] = f"not served ({what})"
                 ok = True
+                if not task.done():
+                    self.held_generations.append((task, getattr(self.rollout, "starts", 0)))
             record.checks.append(Check("unknown_weights_not_served", ok, str(record.notes.get("served_after_failure"))))
 
     async def _killed_push(self, marker: Path, record: SyncRecord) -> dict:
@@ -444,11 +471,28 @@ class Harness:
         if not self.rollout.generates:
             return {}
         sent = time.perf_counter()
-        task = asyncio.ensure_future(self._generate(self.rollout, self.client, timeout=300))
+        task = asyncio.ensure_future(self._generate(self.rollout, self.client, timeout=300, side=True))
         await asyncio.sleep(0.5)
         record.notes["generation_sent_while_paused_done_before_resume"] = task.done()
         record.notes["generation_sent_at"] = sent
         return {"generation_while_paused": task}
+
+    async def _held_results(self, record: SyncRecord, weights: int) -> None:
+        """The generations a stale rollout held: served now that a sync wrote it, with that sync's weights (one
+        sent to a server process since restarted died with it, and is only noted)."""
+        held, self.held_generations = self.held_generations, []
+        for task, server_start in held:
+            try:
+                got = await asyncio.wait_for(task, timeout=120)
+            except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001 - recorded and checked
+                if server_start != getattr(self.rollout, "starts", 0):
+                    record.notes.setdefault("held_generations_lost_in_restart", []).append(type(exc).__name__)
+                    continue
+                got = f"{type(exc).__name__}: {exc}"
+            expected = self.expect[weights].side_generation
+            record.checks.append(
+                Check("generation_held_while_stale_served_with_new_weights", got == expected, f"got {got}")
+            )
 
     async def _side_result(self, record: SyncRecord, name: str, task: asyncio.Task, weights: int) -> None:
         try:
@@ -456,7 +500,7 @@ class Harness:
         except Exception as exc:  # noqa: BLE001 - recorded and checked
             record.checks.append(Check(name, False, f"{type(exc).__name__}: {exc}"))
             return
-        expected = self.expect[weights].generation
+        expected = self.expect[weights].side_generation
         waited = not record.notes.get("generation_sent_while_paused_done_before_resume", True)
         record.checks.append(
             Check(f"{name}_served_after_sync_with_new_weights", got == expected and waited, f"got {got}")

@@ -61,6 +61,22 @@ class _InjectedWriteFailures:
         self.inner.write(session_id, local_addrs, remote_addrs, lengths)
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)  # 0-dim too (an FP8 attention's k_scale / v_scale)
+
+
+def scaled(held: torch.Tensor, scale: float) -> torch.Tensor:
+    """What a rank holds after loading `scale` x the weights it holds: x `scale`, except block-FP8 weight bytes.
+    Quantizing scale x w for a power-of-two scale gives w's e4m3 bytes again and scale x its block scales (the
+    fp32 `weight_scale_inv` beside them, which this scales), so those bytes stay as they are."""
+    if held.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        mantissa, _ = torch.frexp(torch.tensor(float(scale)))
+        if float(mantissa) != 0.5:
+            raise ValueError(f"scale {scale} of an FP8 rank: only powers of two keep its e4m3 bytes exact")
+        return held
+    return held * scale
+
+
 class MirrorPush:
     """Writes `scale` x each target's start-up weights (`witness`) into the targets of a Connection.
 
@@ -122,7 +138,7 @@ class MirrorPush:
         return scales.pop()
 
     def expected(self, target: TargetRank, scale: float) -> dict[str, torch.Tensor]:
-        return {name: t * scale for name, t in self.witness[target].items()}
+        return {name: scaled(t, scale) for name, t in self.witness[target].items()}
 
     def mismatches(self, scale: float, engines: Sequence[int] | None = None) -> list[str]:
         """Every target (and param) whose held bytes differ from its start-up bytes scaled by `scale`."""
@@ -139,7 +155,7 @@ class MirrorPush:
         out = []
         for name, want in self.expected(target, scale).items():
             got = held.get(name)
-            if got is None or got.shape != want.shape or not torch.equal(got.view(torch.uint8), want.view(torch.uint8)):
+            if got is None or got.shape != want.shape or not torch.equal(_bytes(got), _bytes(want)):
                 out.append(name)
         return out
 
@@ -151,7 +167,7 @@ class MirrorPush:
         for target in targets:
             buf = self._staging[target]
             for name, offset, nbytes in self._layout[target]:
-                src = (self.witness[target][name] * scale).contiguous().view(-1).view(torch.uint8)
+                src = scaled(self.witness[target][name], scale).contiguous().view(-1).view(torch.uint8)
                 buf[offset : offset + nbytes].copy_(src)
 
     def _batches(self, targets: Sequence[TargetRank]) -> list[list[WriteEntry]]:

@@ -56,12 +56,13 @@ _KNOWN_KEYS = frozenset(
 
 
 def quantize_block_fp8(
-    x: torch.Tensor, block: tuple[int, int] = BLOCK, name: str = "tensor"
+    x: torch.Tensor, block: tuple[int, int] = BLOCK, name: str = "tensor", check: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., N, K] (fp32/bf16/fp16, any device) -> (e4m3fn [..., N, K], fp32 scales [..., ceil(N/bn), ceil(K/bk)]).
 
     Edge blocks (N or K not a multiple of the block) take the amax of their real elements only. A NaN or inf
-    anywhere is refused: it would poison its block's scale and every byte of the block.
+    anywhere is refused: it would poison its block's scale and every byte of the block. `check=False` leaves that
+    to the caller (`quantize_many(nonfinite=...)`), which saves the device sync the check costs.
     """
     if x.dtype not in FLOAT_INPUTS:
         raise QuantizationError(f"{name}: dtype {x.dtype} cannot be block-FP8 quantized; pass one of {FLOAT_INPUTS}")
@@ -77,12 +78,8 @@ def quantize_block_fp8(
         xf = padded
     blocks = xf.reshape(*lead, nb, bn, kb, bk)
     amax = blocks.abs().amax(dim=(-3, -1))  # NaN propagates into its block's amax, inf stays inf
-    if not bool(torch.isfinite(amax).all()):
-        bad = int((~torch.isfinite(x)).sum())
-        raise QuantizationError(
-            f"{name}: {bad} NaN/inf value(s) cannot be quantized to FP8 (their blocks' scales would be NaN/inf); "
-            "the trainer's weights diverged: fix the step that produced them before syncing"
-        )
+    if check and not bool(torch.isfinite(amax).all()):
+        raise QuantizationError(_nonfinite_message(name, int((~torch.isfinite(x)).sum())))
     # a tensor divisor, not the Python float: CUDA torch divides by a CPU scalar as a multiply by its reciprocal,
     # which is not the correctly rounded quotient (the eager GPU bytes differed from the CPU's for 50 of 54 H200
     # cases); tensor / tensor is IEEE division on every device, as the Triton kernel's div_rn
@@ -97,7 +94,7 @@ def quantize_block_fp8(
 _fused_checked = {"state": None}  # None: not yet compared with the reference in this process; True/False after
 
 
-def _fused(tensors, chunk, block, names) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+def _fused(tensors, chunk, block, names, nonfinite=None) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
     """The chunk through the one-launch GPU kernel (`block_fp8_triton`), or None where it does not apply. Its first
     batch in a process is compared byte for byte with the reference; a difference turns it off (logged)."""
     from verl_p2p.quant import block_fp8_triton
@@ -106,7 +103,9 @@ def _fused(tensors, chunk, block, names) -> list[tuple[torch.Tensor, torch.Tenso
     if _fused_checked["state"] is False or not block_fp8_triton.available(first, block):
         return None
     q, s, bad = block_fp8_triton.quantize_list([tensors[i] for i in chunk], block, AMAX_FLOOR, FP8_E4M3_MAX)
-    if bool(bad.any()):  # the reference names the tensor and refuses it
+    if nonfinite is not None:  # refused later, without a wait here
+        nonfinite.append(([names[i] for i in chunk], bad.reshape(len(chunk), -1).sum(dim=1)))
+    elif bool(bad.any()):  # the reference names the tensor and refuses it
         for i in chunk:
             quantize_block_fp8(tensors[i], block, names[i])
     pairs = [(q[j], s[j]) for j in range(len(chunk))]
@@ -131,9 +130,14 @@ def quantize_many(
     block: tuple[int, int] = BLOCK,
     names: Sequence[str] | None = None,
     max_group_bytes: int = 1 << 30,
+    nonfinite: list | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """`quantize_block_fp8` of every tensor, tensors of one shape, dtype and device stacked into one call
-    (MoE experts: one call per projection kind instead of one per expert). Same bytes as one call each."""
+    (MoE experts: one call per projection kind instead of one per expert). Same bytes as one call each.
+
+    NaN/inf inputs are refused here, which waits for the device. With `nonfinite` (a list) nothing waits: each
+    call appends its tensors' names and their NaN/inf counts (a device tensor), and `raise_if_nonfinite` refuses
+    them later, once, with the same message (the FP8 stream of a push: its work stays queued on the GPU)."""
     names = list(names) if names is not None else [f"tensor {i}" for i in range(len(tensors))]
     out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(tensors)
     groups: dict[tuple, list[int]] = {}
@@ -143,23 +147,51 @@ def quantize_many(
         per = max(1, max_group_bytes // max(1, tensors[members[0]].numel() * 4))
         for start in range(0, len(members), per):
             chunk = members[start : start + per]
-            fused = _fused(tensors, chunk, block, names)
+            fused = _fused(tensors, chunk, block, names, nonfinite)
             if fused is not None:
                 for j, i in enumerate(chunk):
                     out[i] = fused[j]
                 continue
+            x = tensors[chunk[0]] if len(chunk) == 1 else torch.stack([tensors[i] for i in chunk])
+            if nonfinite is not None:
+                q, s = quantize_block_fp8(x, block, names[chunk[0]], check=False)
+                counts = (~torch.isfinite(x)).reshape(len(chunk), -1).sum(dim=1)
+                nonfinite.append(([names[i] for i in chunk], counts))
+            elif len(chunk) == 1:
+                q, s = quantize_block_fp8(x, block, names[chunk[0]])
+            else:
+                try:
+                    q, s = quantize_block_fp8(x, block, f"{len(chunk)} tensors")
+                except QuantizationError:  # name the culprit
+                    for i in chunk:
+                        quantize_block_fp8(tensors[i], block, names[i])
+                    raise
             if len(chunk) == 1:
-                out[chunk[0]] = quantize_block_fp8(tensors[chunk[0]], block, names[chunk[0]])
+                out[chunk[0]] = (q, s)
                 continue
-            try:
-                q, s = quantize_block_fp8(torch.stack([tensors[i] for i in chunk]), block, f"{len(chunk)} tensors")
-            except QuantizationError:  # name the culprit
-                for i in chunk:
-                    quantize_block_fp8(tensors[i], block, names[i])
-                raise
             for j, i in enumerate(chunk):
                 out[i] = (q[j], s[j])
     return out  # type: ignore[return-value]
+
+
+def raise_if_nonfinite(nonfinite: Sequence[tuple[Sequence[str], torch.Tensor]]) -> None:
+    """Refuse, naming the first tensor, what `quantize_many(nonfinite=...)` recorded: one wait per device."""
+    by_device: dict[torch.device, list[tuple[Sequence[str], torch.Tensor]]] = {}
+    for names, counts in nonfinite:
+        by_device.setdefault(counts.device, []).append((names, counts))
+    for entries in by_device.values():
+        counts = torch.cat([c.reshape(-1).to(torch.int64) for _, c in entries]).tolist()
+        named = [n for names, _ in entries for n in names]
+        for name, bad in zip(named, counts, strict=True):
+            if bad:
+                raise QuantizationError(_nonfinite_message(name, bad))
+
+
+def _nonfinite_message(name: str, bad: int) -> str:
+    return (
+        f"{name}: {bad} NaN/inf value(s) cannot be quantized to FP8 (their blocks' scales would be NaN/inf); "
+        "the trainer's weights diverged: fix the step that produced them before syncing"
+    )
 
 
 def scale_name(weight_name: str) -> str:
@@ -279,3 +311,20 @@ class BlockFp8Scheme:
             else:
                 out[name] = t
         return out
+
+
+def warm_up(shapes: Iterable[tuple[int, ...]], dtypes: Iterable[torch.dtype], device: torch.device) -> int:
+    """Run the GPU quantizer once per distinct [N, K] and input dtype a push will quantize, on seeded tensors:
+    Triton compiles a kernel per specialization (and the first batch is checked against the reference) at the
+    first call, about half a second that would otherwise fall inside the first sync's pause. Returns the calls."""
+    if device.type != "cuda":
+        return 0  # the reference runs there: nothing to compile
+    generator = torch.Generator(device=device).manual_seed(0)
+    calls = 0
+    for n, k in sorted({tuple(s[-2:]) for s in shapes}):
+        for dtype in dtypes:
+            x = torch.randn((n, k), generator=generator, device=device).to(dtype)
+            quantize_many([x, x], BLOCK, [f"warm-up {n}x{k} {dtype}"] * 2)
+            calls += 1
+    torch.cuda.synchronize(device)
+    return calls

@@ -9,11 +9,13 @@ than a buffer slot is produced in byte ranges by replaying the recorded writes (
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -300,14 +302,19 @@ _SERVER_DTYPES = {
 }
 
 
-def check_plan_dtypes(plan: WritePlan, server_args: Mapping[str, Any]) -> None:
+def check_plan_dtypes(
+    plan: WritePlan, server_args: Mapping[str, Any], hf_config: Mapping[str, Any] | None = None
+) -> None:
     """Refuse a plan whose parameters hold another floating type of the server's element size.
 
     A rank publishes only numel and element size per parameter, so bfloat16 bytes written into a float16
     parameter pass every size check and serve garbage. Parameters of another element size (float32 norms or
     biases in a bfloat16 model, FP8 weights) are told apart by those checks already and are not refused here.
+    `dtype=auto` is resolved as SGLang resolves it, from the checkpoint the rollout serves (`auto_dtype`).
     """
-    want = _SERVER_DTYPES.get(str(server_args.get("dtype") or "auto"))
+    dtype = str(server_args.get("dtype") or "auto")
+    want = auto_dtype(server_args, hf_config) if dtype == "auto" and hf_config is not None else None
+    want = _SERVER_DTYPES.get(dtype, want)
     if want is None:
         return
     wrong = [
@@ -321,6 +328,53 @@ def check_plan_dtypes(plan: WritePlan, server_args: Mapping[str, Any]) -> None:
             f"{len(wrong)} parameter(s) of another {want.itemsize}-byte float type, e.g. {wrong[:3]}: the plan was "
             "made for other server args; rebuild it (or clear plan_cache_dir) from this rollout's /server_info"
         )
+
+
+def _sglang_auto_dtype(config: Mapping[str, Any]) -> torch.dtype | None:
+    """SGLang's own resolution of `--dtype auto` for a checkpoint config (None where the release lacks it)."""
+    try:
+        from sglang.srt.configs.model_config import _get_and_verify_dtype
+    except ImportError:
+        return None
+    return _get_and_verify_dtype(dict(config), "auto")
+
+
+_unverified_auto: set[str] = set()  # rollout paths already warned about (once per process)
+
+
+def auto_dtype(server_args: Mapping[str, Any], hf_config: Mapping[str, Any]) -> torch.dtype | None:
+    """The dtype a `--dtype auto` rollout holds: SGLang's rule on the checkpoint it serves (`model_path`, when this
+    host can read it), which must be the one the plan's config gives; refused, naming both, when they differ.
+
+    The plan is built from the trainer's copy of the rollout's config (`rollout_model_path`, else the trainer's
+    model): a rollout started from another checkpoint (a bfloat16 copy of a float16 one) resolves `auto` to
+    another type of the same size, which no size check tells apart. Where the rollout's path cannot be read
+    here, the plan's resolution is used and a warning names the risk and the fix (an explicit `--dtype`)."""
+    ours = _sglang_auto_dtype(hf_config)
+    path = server_args.get("model_path")
+    config_file = Path(str(path)) / "config.json" if path else None
+    if config_file is None or not config_file.is_file():
+        if path and str(path) not in _unverified_auto:
+            _unverified_auto.add(str(path))
+            logger.warning(
+                "p2p: the rollout serves dtype=auto from %s, which this host cannot read: its resolved dtype is "
+                "assumed to be the plan's (%s); give the rollout an explicit dtype to have it checked",
+                path,
+                ours,
+            )
+        return ours
+    try:
+        theirs = _sglang_auto_dtype(json.loads(config_file.read_text()))
+    except (OSError, ValueError) as exc:
+        raise ReplicaLoadError(f"the rollout's checkpoint config {config_file} cannot be read: {exc}") from exc
+    if ours is not None and theirs is not None and ours != theirs:
+        raise ReplicaLoadError(
+            f"the rollout serves dtype=auto from {path}, which SGLang resolves to {theirs}, but the write plan's "
+            f"checkpoint config resolves it to {ours}: the rollout was started from another checkpoint than the one "
+            "the trainer plans from; set rollout_model_path to the checkpoint the rollout serves, or launch the "
+            "rollout with an explicit dtype"
+        )
+    return theirs
 
 
 def check_chunk(p: ParamPlan, byte_offset: int, nbytes: int) -> int:
@@ -376,7 +430,7 @@ class RankReplica:
         """
         planned = plan_rank(hf_config, server_args, layout, hf_specs, cache)
         check_syncable(planned.plan)
-        check_plan_dtypes(planned.plan, server_args)
+        check_plan_dtypes(planned.plan, server_args, planned.hf_config)
         return cls(
             server_args, layout, planned.hf_config, planned.plan, planned.key, ctx=planned.ctx, model=planned.model
         )

@@ -34,7 +34,8 @@ parsed, and only a changed `RemoteRankInfo.fingerprint()` (session id, an addres
 Server args are fetched once per engine and again only when its rank info changed (a restarted server) or the
 engine was re-added. A failed connect or prepare fails the sync before anything is paused. Inside the pause
 the rank info is read once more, overlapped with abort..begin (the recheck): a server that restarted after the
-first read is re-planned there, the reason logged and reported (`SyncReport.replanned_in_pause`). A change
+first read is re-planned there, the reason logged and reported (`SyncReport.replanned_in_pause`), and goes through
+abort, release KV and begin again first (the restart may have come after this sync's abort reached it). A change
 yields a new `Connection` (a new `generation`, `changed_engines`); otherwise the same object comes back, so the
 push side re-plans only on change. A retry's Connection is `partial` (only the targets to re-push) and has a
 generation of its own.
@@ -57,7 +58,7 @@ from verl_p2p.planning.layout import RankLayout, layout_from_server_args
 from verl_p2p.planning.targets import RemoteRankInfo, TargetRank
 from verl_p2p.rollout.adapter import P2PReplicaAdapter
 from verl_p2p.rollout.checker import WeightUpdateChecker
-from verl_p2p.rollout.client import RankAnswer
+from verl_p2p.rollout.client import RankAnswer, RolloutCallError
 
 logger = logging.getLogger(__name__)
 
@@ -422,6 +423,11 @@ class SyncLifecycle:
             "pause and the re-read inside it (a restarted server?)"
         )
         logger.warning("p2p: re-planning inside the pause: %s", run.replanned_in_pause)
+        # a server that restarted after the abort reached it is generating and has no session: it goes through
+        # the steps again (harmless where the restart came first and the abort and begin reached the new one)
+        changed = [a for a in adapters if a.engine in connection.changed_engines]
+        _, found = await self._prepare_new_servers(run, changed, "restarted, inside the pause", maybe_released=True)
+        run.stop_on(found)
         if prepare is not None:
             run.steps_in_pause.append("replan_in_pause")
             await self._run_prepare(run, prepare, "replan_in_pause")
@@ -598,6 +604,41 @@ class SyncLifecycle:
         )
         return partial, failures, {e for e in changed if e in partial.server_infos}
 
+    async def _prepare_new_servers(
+        self, run: _Run, adapters: list[P2PReplicaAdapter], when: str, maybe_released: bool = False
+    ) -> tuple[list[P2PReplicaAdapter], list[ReplicaFailure]]:
+        """A restarted server (new rank info) through the normal path's steps before it is written: abort,
+        release KV, begin. Returns those that passed and the failures (their reasons noted). The new server
+        never saw the checker's snapshot: it is not compared. `maybe_released`: the restart may have come before
+        this sync's abort and release reached the new server, so a refused release means it holds none already
+        (logged); the begin after it still fails a server that does not answer."""
+        for adapter in adapters:
+            if self.checker is not None:
+                self.checker.forget(adapter.engine)
+        live, failures = list(adapters), []
+
+        async def release(adapter: P2PReplicaAdapter) -> None:
+            try:
+                await adapter.release_kv()
+            except RolloutCallError as exc:
+                if not maybe_released:
+                    raise
+                logger.warning("p2p: %s refused the KV release (%s): taken as released already", adapter, exc)
+
+        steps = [("abort", lambda a: a.pause())]
+        steps += [("release_kv", release)] if self.frees_kv else []
+        steps += [("begin", self._begin)]
+        for name, action in steps:
+            found = await run.step(f"{name} ({when})", live, action)
+            failures += found
+            for failure in found:
+                run.reasons[failure.engine] = (
+                    f"its server restarted during the sync and {name} failed on it ({when}): "
+                    f"{_first_line(failure.error)}"
+                )
+            live = [a for a in live if a.engine not in {f.engine for f in found}]
+        return live, failures
+
     async def _reprepare(
         self, run: _Run, retry: Connection, restarted: set[int], attempt: int
     ) -> tuple[Connection | None, list[ReplicaFailure]]:
@@ -606,22 +647,7 @@ class SyncLifecycle:
         normal path's steps (abort, release KV, begin); one where a step fails is left out of the re-push
         (unknown, named). The new server never saw the checker's snapshot: it is not compared."""
         adapters = [self._adapters[e] for e in sorted(restarted)]
-        for adapter in adapters:
-            if self.checker is not None:
-                self.checker.forget(adapter.engine)
-        live, failures = list(adapters), []
-        steps = [("abort", lambda a: a.pause())]
-        steps += [("release_kv", lambda a: a.release_kv())] if self.frees_kv else []
-        steps += [("begin", self._begin)]
-        for name, action in steps:
-            found = await run.step(f"{name} (restarted, before re-push {attempt})", live, action)
-            failures += found
-            for failure in found:
-                run.reasons[failure.engine] = (
-                    f"its server restarted during the sync and {name} failed on it before re-push {attempt}: "
-                    f"{_first_line(failure.error)}"
-                )
-            live = [a for a in live if a.engine not in {f.engine for f in found}]
+        live, failures = await self._prepare_new_servers(run, adapters, f"restarted, before re-push {attempt}")
         left_out = restarted - {a.engine for a in live}
         run.unprepared = set(left_out)  # a later re-push must prepare them first too
         targets = [t for t in retry.targets if t.engine not in left_out]

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator, Mapping
 import torch
 
 from verl_p2p.errors import QuantizationError
-from verl_p2p.quant.block_fp8 import BLOCK, FLOAT_INPUTS, quantize_many, scale_name
+from verl_p2p.quant.block_fp8 import BLOCK, FLOAT_INPUTS, quantize_many, raise_if_nonfinite, scale_name
 
 PlannedSpecs = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
 
@@ -45,7 +45,9 @@ def quantized_stream(
 
     The plan is checked here, at the call (before anything streams). Up to `batch` consecutive quantizable
     tensors (at most `batch_bytes` of them) are held and quantized together (fewer kernel launches on a GPU);
-    any other tensor flushes the held ones first, so the order of the stream is kept.
+    any other tensor flushes the held ones first, so the order of the stream is kept. Nothing in the stream waits
+    for the device: a NaN/inf weight is refused, named, when the stream ends, before the push it feeds can
+    succeed (the push fails and its targets are left unknown, as for any push failure).
     """
     targets = fp8_targets(planned)
     if not targets:
@@ -58,11 +60,12 @@ def _quantized(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     held: list[tuple[str, torch.Tensor]] = []
     held_bytes = 0
+    nonfinite: list = []  # each batch's NaN/inf counts, on its device: checked once, at the end
 
     def flush() -> Iterator[tuple[str, torch.Tensor]]:
         nonlocal held_bytes
         held_bytes = 0
-        results = quantize_many([t for _, t in held], BLOCK, [n for n, _ in held])
+        results = quantize_many([t for _, t in held], BLOCK, [n for n, _ in held], nonfinite=nonfinite)
         for (name, _), (q, s) in zip(held, results, strict=True):
             yield name, q
             yield targets[name], s
@@ -80,3 +83,4 @@ def _quantized(
         yield name, tensor
     if held:
         yield from flush()
+    raise_if_nonfinite(nonfinite)

@@ -148,11 +148,13 @@ class SourceSession:
         """Compile every program this generation's push runs and (`verify_first_push`) check each against SGLang's
         loader on synthetic tensors into scratch memory, now: `apply` runs before the rollout is paused (the
         manager path), so the push holds the rollout only for its writes."""
-        for executor in {id(t.replica): t.replica for t in targets}.values():
+        executors = {id(t.replica): t.replica for t in targets}.values()
+        for executor in executors:
             if hasattr(executor, "prepare_push"):
                 executor.prepare_push(
                     self.buffers.slot_bytes, verify=self.config.verify_first_push, device=_hf_device()
                 )
+        _warm_fp8_quantizer(executors)
 
     def _open_connections(self, targets: list[Any]) -> None:
         """Open the Mooncake segment and connection of every target now, with a read of a few bytes of one of its
@@ -338,6 +340,23 @@ class SourceSession:
             self._save_hook.remove()
         if self.buffers is not None:
             self.buffers.release()
+
+
+def _warm_fp8_quantizer(executors: Any) -> None:
+    """FP8 rollouts: compile the GPU quantizer for the shapes the push quantizes, now, before the pause (the
+    first sync of a trainer process paid its JIT inside the pause: 0.54 s of a 0.70 s pause on the H200)."""
+    from verl_p2p.trainer.fp8_stream import fp8_targets
+
+    shapes = set()
+    for executor in executors:
+        planned = getattr(executor.plan, "hf_specs", None) or {}
+        shapes.update(tuple(planned[name][0]) for name in fp8_targets(planned))
+    if shapes:
+        import torch
+
+        from verl_p2p.quant.block_fp8 import warm_up
+
+        warm_up(shapes, (torch.bfloat16, torch.float32), _hf_device())
 
 
 def _hf_device() -> Any:

@@ -212,8 +212,7 @@ def test_dtype_auto_is_resolved_from_the_checkpoint_the_rollout_serves(tmp_path,
     copy of the float16 checkpoint the trainer plans from holds bfloat16, which no size check tells apart."""
     import json
 
-    from verl_p2p.replica import stream
-    from verl_p2p.replica.stream import ReplicaLoadError, check_plan_dtypes
+    from verl_p2p.replica.stream import ReplicaLoadError, _sglang_auto_dtype, check_plan_dtypes
 
     fp16 = _param("w", (4,), [_copy(0, (4,), (1,), "x", 0, (4,), (1,))], dtype=torch.float16)
     plan = WritePlan({"w": fp16}, {"x": ((4,), torch.float32)})
@@ -221,19 +220,15 @@ def test_dtype_auto_is_resolved_from_the_checkpoint_the_rollout_serves(tmp_path,
     served = tmp_path / "bf16-copy"
     served.mkdir()
     (served / "config.json").write_text(json.dumps({"model_type": "qwen3", "torch_dtype": "bfloat16"}))
-    with pytest.raises(
-        ReplicaLoadError, match=r"dtype=auto from .*bf16-copy.*torch.bfloat16.*torch.float16.*rollout_model_path"
-    ):
-        check_plan_dtypes(plan, {"dtype": "auto", "model_path": str(served)}, planned_config)
-    # the same checkpoint config on both sides: accepted, and the resolved type still checks the plan's params
-    (served / "config.json").write_text(json.dumps(planned_config))
-    check_plan_dtypes(plan, {"dtype": "auto", "model_path": str(served)}, planned_config)
-    bf16 = _param("w", (4,), [_copy(0, (4,), (1,), "x", 0, (4,), (1,))], dtype=torch.bfloat16)
-    stale_plan = WritePlan({"w": bf16}, {"x": ((4,), torch.float32)})  # made for other server args
-    with pytest.raises(ReplicaLoadError, match=r"another 2-byte float type"):
-        check_plan_dtypes(stale_plan, {"dtype": "auto", "model_path": str(served)}, planned_config)
-    # SGLang's rule for float32 checkpoints: auto is float16 (not float32)
-    assert stream.auto_dtype({"model_path": None}, {"model_type": "qwen3", "torch_dtype": "float32"}) == torch.float16
+    args = {"dtype": "auto", "model_path": str(served)}
+    with pytest.raises(ReplicaLoadError, match=r"dtype=auto from .*bf16-copy.*bfloat16.*float16.*rollout_model_path"):
+        check_plan_dtypes(plan, args, planned_config)
+    # the same resolution, though spelled differently (SGLang's rule: float32 checkpoints are served as float16)
+    (served / "config.json").write_text(json.dumps({"model_type": "qwen3", "dtype": "float32"}))
+    assert _sglang_auto_dtype({"model_type": "qwen3", "torch_dtype": "float32"}) == torch.float16
+    check_plan_dtypes(plan, args, planned_config)
+    (served / "config.json").write_text(json.dumps(planned_config))  # the same checkpoint config
+    check_plan_dtypes(plan, args, planned_config)
     # a path this host cannot read: the plan's resolution, and one warning naming the fix
     caplog.set_level("WARNING")
     gone = {"dtype": "auto", "model_path": str(tmp_path / "elsewhere")}

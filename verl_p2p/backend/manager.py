@@ -169,7 +169,7 @@ class P2PCheckpointEngineManager(CheckpointEngineManager):
         await self._ensure_plan(connection, in_pause=True)
         pushes = self.actor_wg.update_weights(global_steps=global_steps, mode=self.backend)
         stamps = [s.set_global_steps.remote(global_steps) for r in self.replicas for s in getattr(r, "servers", [])]
-        results, _ = await asyncio.gather(self._push_outcomes(pushes), self._on_trainer(stamps))
+        results, _ = await asyncio.gather(self._push_outcomes(pushes, connection), self._on_trainer(stamps))
         metrics: dict = {}
         for result in results:
             if isinstance(result, dict):
@@ -187,10 +187,11 @@ class P2PCheckpointEngineManager(CheckpointEngineManager):
             self._sources = [a["source"] for a in answers]
         return self._sources
 
-    async def _push_outcomes(self, pushes: Any) -> list[Any]:
+    async def _push_outcomes(self, pushes: Any, connection: Any) -> list[Any]:
         """Every trainer rank's push result; when ranks failed, one PushError naming each of them and the targets it
         left unknown: those its error names, else (a rank that died, or failed before it knew) every target of its
-        assignment. Ray alone would raise the first error only, which for a dead rank names no target."""
+        assignment, or of the push where the calls are not one per rank. Ray alone would raise the first error
+        only, which for a dead rank names no target."""
         calls = list(pushes or [])
         outcomes = await _each(calls)
         failed = [(i, o) for i, o in enumerate(outcomes) if isinstance(o, BaseException)]
@@ -207,6 +208,8 @@ class P2PCheckpointEngineManager(CheckpointEngineManager):
             left = ", ".join(str(t) for t in sorted(named, key=str)) if named is not None else "all (not known)"
             lines.append(f"{who}: {type(error).__name__}: {_first_line(error)} (targets left unknown: {left})")
             unknown = None if named is None or unknown is None else unknown | set(named)
+        if unknown is None:  # said explicitly: the chain below may name fewer targets than were left unknown
+            unknown = set(connection.targets)
         raise PushError("p2p push failed on " + "; ".join(lines), unknown_targets=unknown) from failed[0][1]
 
     @staticmethod

@@ -310,11 +310,12 @@ def check_plan_dtypes(
     A rank publishes only numel and element size per parameter, so bfloat16 bytes written into a float16
     parameter pass every size check and serve garbage. Parameters of another element size (float32 norms or
     biases in a bfloat16 model, FP8 weights) are told apart by those checks already and are not refused here.
-    `dtype=auto` is resolved as SGLang resolves it, from the checkpoint the rollout serves (`auto_dtype`).
+    `dtype=auto`: the checkpoint the rollout serves must resolve it as the plan's config does (`check_auto_dtype`).
     """
     dtype = str(server_args.get("dtype") or "auto")
-    want = auto_dtype(server_args, hf_config) if dtype == "auto" and hf_config is not None else None
-    want = _SERVER_DTYPES.get(dtype, want)
+    if dtype == "auto" and hf_config is not None:
+        check_auto_dtype(server_args, hf_config)
+    want = _SERVER_DTYPES.get(dtype)
     if want is None:
         return
     wrong = [
@@ -339,18 +340,23 @@ def _sglang_auto_dtype(config: Mapping[str, Any]) -> torch.dtype | None:
     return _get_and_verify_dtype(dict(config), "auto")
 
 
+def _auto_inputs(config: Mapping[str, Any]) -> tuple:
+    """What SGLang's `auto` rule reads from a config: its dtype field and model type."""
+    return (config.get("dtype") or config.get("torch_dtype"), config.get("model_type", ""))
+
+
 _unverified_auto: set[str] = set()  # rollout paths already warned about (once per process)
 
 
-def auto_dtype(server_args: Mapping[str, Any], hf_config: Mapping[str, Any]) -> torch.dtype | None:
-    """The dtype a `--dtype auto` rollout holds: SGLang's rule on the checkpoint it serves (`model_path`, when this
-    host can read it), which must be the one the plan's config gives; refused, naming both, when they differ.
+def check_auto_dtype(server_args: Mapping[str, Any], hf_config: Mapping[str, Any]) -> None:
+    """A `--dtype auto` rollout holds what SGLang's rule gives for the checkpoint it serves (`model_path`, when this
+    host can read it): refused, naming both, when the plan's config resolves it to another type.
 
     The plan is built from the trainer's copy of the rollout's config (`rollout_model_path`, else the trainer's
     model): a rollout started from another checkpoint (a bfloat16 copy of a float16 one) resolves `auto` to
-    another type of the same size, which no size check tells apart. Where the rollout's path cannot be read
-    here, the plan's resolution is used and a warning names the risk and the fix (an explicit `--dtype`)."""
-    ours = _sglang_auto_dtype(hf_config)
+    another type of the same size, which no size check tells apart. SGLang is imported only when the two configs
+    differ in what the rule reads (a cached plan stays SGLang-free otherwise). Where the rollout's path cannot be
+    read here, a warning names the risk and the fix (an explicit `--dtype`)."""
     path = server_args.get("model_path")
     config_file = Path(str(path)) / "config.json" if path else None
     if config_file is None or not config_file.is_file():
@@ -358,15 +364,17 @@ def auto_dtype(server_args: Mapping[str, Any], hf_config: Mapping[str, Any]) -> 
             _unverified_auto.add(str(path))
             logger.warning(
                 "p2p: the rollout serves dtype=auto from %s, which this host cannot read: its resolved dtype is "
-                "assumed to be the plan's (%s); give the rollout an explicit dtype to have it checked",
+                "assumed to be the plan's; give the rollout an explicit dtype to have it checked",
                 path,
-                ours,
             )
-        return ours
+        return
     try:
-        theirs = _sglang_auto_dtype(json.loads(config_file.read_text()))
+        served = json.loads(config_file.read_text())
     except (OSError, ValueError) as exc:
         raise ReplicaLoadError(f"the rollout's checkpoint config {config_file} cannot be read: {exc}") from exc
+    if _auto_inputs(served) == _auto_inputs(hf_config):
+        return
+    ours, theirs = _sglang_auto_dtype(hf_config), _sglang_auto_dtype(served)
     if ours is not None and theirs is not None and ours != theirs:
         raise ReplicaLoadError(
             f"the rollout serves dtype=auto from {path}, which SGLang resolves to {theirs}, but the write plan's "
@@ -374,7 +382,6 @@ def auto_dtype(server_args: Mapping[str, Any], hf_config: Mapping[str, Any]) -> 
             "the trainer plans from; set rollout_model_path to the checkpoint the rollout serves, or launch the "
             "rollout with an explicit dtype"
         )
-    return theirs
 
 
 def check_chunk(p: ParamPlan, byte_offset: int, nbytes: int) -> int:

@@ -158,7 +158,8 @@ def test_lifecycle_order_on_three_engines_in_parallel(engines, mirror):
                 # generates) and re-read inside it (the recheck, overlapped with abort..begin), before the push
                 reads = [e for e in events if e["path"] == RANK_READ]
                 assert len(reads) == 2 * engine.spec.tp and all(e["time"] <= mirror.started for e in reads)
-                assert sum(e["time"] < pause["time"] for e in reads) == engine.spec.tp
+                # (the recheck starts with the abort, so one of its reads may reach the engine just before it)
+                assert sum(e["time"] < pause["time"] for e in reads) >= engine.spec.tp
                 assert [e["path"] for e in events if e["method"] == "GET" and e["path"] != RANK_READ] == (
                     ["/server_info"] if version == 1 else []
                 )

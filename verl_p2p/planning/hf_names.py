@@ -23,6 +23,7 @@ SUPPORTED_MODEL_TYPES = (
     "kimi_k2",
     "glm4_moe",
     "glm4_moe_lite",
+    "qwen3_next",
 )
 
 
@@ -41,6 +42,8 @@ def hf_tensor_specs(cfg: Mapping[str, Any]) -> list[HFTensorSpec]:
         return list(_deepseek_v3(cfg, config_dtype(cfg)))
     if model_type == "glm4_moe":
         return list(_glm4_moe(cfg, config_dtype(cfg)))
+    if model_type == "qwen3_next":
+        return list(_qwen3_next(cfg, config_dtype(cfg)))
     raise ValueError(
         f"no tensor list for model_type={model_type!r} (known: {', '.join(SUPPORTED_MODEL_TYPES)}); "
         "point at a checkpoint directory with *.safetensors instead, whose headers list the tensors"
@@ -197,3 +200,46 @@ def pp_stage_of(hf_name: str, num_layers: int, pp: int) -> int:
     if layer is None:
         return 0 if hf_name.startswith("model.embed_tokens.") else pp - 1
     return layer // (num_layers // pp)
+
+
+def _qwen3_next(cfg: Mapping[str, Any], dtype: str) -> Iterator[HFTensorSpec]:
+    """Qwen3-Next: gated-delta-net linear attention, full (gated) attention every `full_attention_interval`-th
+    layer, routed experts with one gated shared expert on every layer; its multi-token-prediction layer left out."""
+    h, vocab = cfg["hidden_size"], cfg["vocab_size"]
+    heads, kv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    k_heads, v_heads = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    key_dim, value_dim = k_heads * cfg["linear_key_head_dim"], v_heads * cfg["linear_value_head_dim"]
+    experts, mi, si = cfg["num_experts"], cfg["moe_intermediate_size"], cfg["shared_expert_intermediate_size"]
+    interval = cfg["full_attention_interval"]
+    yield "model.embed_tokens.weight", (vocab, h), dtype
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        yield f"{p}.input_layernorm.weight", (h,), dtype
+        if (i + 1) % interval == 0:
+            yield f"{p}.self_attn.q_proj.weight", (2 * heads * hd, h), dtype  # the query and its output gate
+            yield f"{p}.self_attn.k_proj.weight", (kv * hd, h), dtype
+            yield f"{p}.self_attn.v_proj.weight", (kv * hd, h), dtype
+            yield f"{p}.self_attn.q_norm.weight", (hd,), dtype
+            yield f"{p}.self_attn.k_norm.weight", (hd,), dtype
+            yield f"{p}.self_attn.o_proj.weight", (h, heads * hd), dtype
+        else:
+            yield f"{p}.linear_attn.in_proj_qkvz.weight", (2 * key_dim + 2 * value_dim, h), dtype
+            yield f"{p}.linear_attn.in_proj_ba.weight", (2 * v_heads, h), dtype
+            yield f"{p}.linear_attn.conv1d.weight", (2 * key_dim + value_dim, 1, cfg["linear_conv_kernel_dim"]), dtype
+            yield f"{p}.linear_attn.dt_bias", (v_heads,), dtype
+            yield f"{p}.linear_attn.A_log", (v_heads,), dtype
+            yield f"{p}.linear_attn.norm.weight", (cfg["linear_value_head_dim"],), dtype
+            yield f"{p}.linear_attn.out_proj.weight", (h, value_dim), dtype
+        yield f"{p}.post_attention_layernorm.weight", (h,), dtype
+        yield f"{p}.mlp.gate.weight", (experts, h), dtype
+        for e in range(experts):
+            yield f"{p}.mlp.experts.{e}.gate_proj.weight", (mi, h), dtype
+            yield f"{p}.mlp.experts.{e}.up_proj.weight", (mi, h), dtype
+            yield f"{p}.mlp.experts.{e}.down_proj.weight", (h, mi), dtype
+        yield f"{p}.mlp.shared_expert.gate_proj.weight", (si, h), dtype
+        yield f"{p}.mlp.shared_expert.up_proj.weight", (si, h), dtype
+        yield f"{p}.mlp.shared_expert.down_proj.weight", (h, si), dtype
+        yield f"{p}.mlp.shared_expert_gate.weight", (1, h), dtype
+    yield "model.norm.weight", (h,), dtype
+    if not cfg.get("tie_word_embeddings"):
+        yield "lm_head.weight", (vocab, h), dtype

@@ -11,6 +11,7 @@ written exactly once, and (across ranks) every HF tensor used somewhere.
 from __future__ import annotations
 
 import gc
+import logging
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -21,6 +22,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from verl_p2p.errors import UnsupportedLayoutError
 from verl_p2p.replica.derived import DERIVATIONS, derivation_of, forget_derived, unexplained
 from verl_p2p.replica.rank_context import RankContext
+
+logger = logging.getLogger(__name__)
 
 HFSpecs = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
 
@@ -399,8 +402,27 @@ def rollout_local_params(params: dict[str, torch.Tensor], writes: dict[str, list
     return tuple(name for name, p in params.items() if getattr(p, "_skip_weight_check", False) and not writes.get(name))
 
 
+def _rehome_to_meta(model: torch.nn.Module) -> list[str]:
+    """Parameters SGLang allocated on the current device itself (Qwen3-Next's gated-delta-net norms), moved to
+    `meta` with their attributes (weight loaders): on the rollout they live on its GPU like every other
+    parameter, so the capture sees them as the loader will. Returns their names."""
+    moved = []
+    for module_name, module in model.named_modules():
+        for name, p in list(module._parameters.items()):
+            if p is None or p.device.type == "meta":
+                continue
+            new = torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+            new.__dict__.update(p.__dict__)
+            module._parameters[name] = new
+            moved.append(f"{module_name}.{name}" if module_name else name)
+    if moved:
+        logger.info("p2p plan: %d parameter(s) SGLang built on a real device moved to meta: %s", len(moved), moved[:4])
+    return moved
+
+
 def capture_write_plan(ctx: RankContext, model: torch.nn.Module, hf_specs: HFSpecs) -> WritePlan:
     """Run SGLang's `load_weights` once over meta HF tensors and record every parameter write."""
+    _rehome_to_meta(model)
     params = dict(model.named_parameters())
     for name, p in params.items():
         if p.device.type != "meta":

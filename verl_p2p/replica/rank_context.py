@@ -408,6 +408,7 @@ class RankContext:
         self.layout = layout
         self.server_args_in = dict(server_args)
         self.config_dir = checkpoint_config_dir(hf_config_dict(hf_config))
+        self.hybrid_linear_attention = _hybrid_linear_attention(hf_config_dict(hf_config))
         self._depth = 0
         with _LOCK:
             self._adapter = _GlobalsAdapter(self) if kind == "module_globals" else _RuntimeContextAdapter(self)
@@ -458,6 +459,25 @@ def _with_config_dir(values: dict, names: set[str], config_dir: str) -> dict:
     values = dict(values, model_path=config_dir)
     if "tokenizer_path" in names:
         values["tokenizer_path"] = config_dir
+    return values
+
+
+# Scheduler settings of hybrid linear-attention models (Qwen3-Next) that SGLang refuses on a CPU host: the Mamba
+# cache's `extra_buffer` needs a GPU platform and `no_buffer` no overlap schedule. They size caches and order
+# batches, not weights: the planning context takes the CPU-legal values.
+_HYBRID_PLANNING = {"mamba_radix_cache_strategy": "no_buffer", "disable_overlap_schedule": True}
+
+
+def _hybrid_linear_attention(cfg: Mapping[str, Any]) -> bool:
+    """A model whose layers mix linear (gated-delta-net / Mamba) and full attention."""
+    return "linear_attention" in (cfg.get("layer_types") or ()) or "full_attention_interval" in cfg
+
+
+def _planning_values(values: dict, names: set[str], ctx: Any) -> dict:
+    """The rollout's server args as the planning context hands them to SGLang on this host."""
+    values = _with_config_dir(values, names, ctx.config_dir)
+    if getattr(ctx, "hybrid_linear_attention", False):
+        values.update({k: v for k, v in _HYBRID_PLANNING.items() if k in names})
     return values
 
 
@@ -609,7 +629,7 @@ def _server_args_record(ServerArgs, ctx: RankContext) -> tuple[dict, Any]:
 
         names = {f.name for f in record_fields(ServerArgs)}
         used = _sglang_field_values(ctx.server_args_in, names)
-        return used, ServerArgs(**_with_config_dir(used, names, ctx.config_dir))
+        return used, ServerArgs(**_planning_values(used, names, ctx))
     names = {f.name for f in dataclasses.fields(ServerArgs)}
     record = object.__new__(ServerArgs)
     for f in dataclasses.fields(ServerArgs):
@@ -621,7 +641,7 @@ def _server_args_record(ServerArgs, ctx: RankContext) -> tuple[dict, Any]:
             value = None
         setattr(record, f.name, value)
     used = _sglang_field_values(ctx.server_args_in, names)
-    for k, v in _with_config_dir(used, names, ctx.config_dir).items():
+    for k, v in _planning_values(used, names, ctx).items():
         setattr(record, k, v)
     if record.device is None:
         record.device = "cuda"
@@ -673,7 +693,7 @@ class _RuntimeContextAdapter:
         names = {f.name for f in record_fields(ServerArgs)}
         self.fields_used = _sglang_field_values(ctx.server_args_in, names)
         # Raw input, as the CLI would give it (nested configs as dicts); the context resolves it.
-        record = ServerArgs(**_with_config_dir(self.fields_used, names, ctx.config_dir))
+        record = ServerArgs(**_planning_values(self.fields_used, names, ctx))
         self.server_args = record
         with _LOCK:
             self.context, self._use_context = _new_rank_context(rc, record, SpawnRanks(world_rank=layout.tp_rank))

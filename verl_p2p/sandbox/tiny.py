@@ -17,7 +17,17 @@ import torch
 
 from verl_p2p.planning.hf_names import hf_tensor_specs
 
-ARCHS = ("qwen2", "qwen3", "qwen3_moe", "llama", "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite")
+ARCHS = (
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "llama",
+    "deepseek_v2",
+    "deepseek_v3",
+    "glm4_moe",
+    "glm4_moe_lite",
+    "qwen3_next",
+)
 
 _BASE = dict(
     vocab_size=256,
@@ -117,6 +127,32 @@ _GLM4_MOE = dict(
 _GLM4_MOE_LITE = dict(_DEEPSEEK_V3, architectures=["Glm4MoeLiteForCausalLM"], model_type="glm4_moe_lite")
 
 
+# Qwen3-Next (Qwen/Qwen3-Next-80B-A3B-Instruct's config.json at tiny sizes): gated-delta-net linear attention with
+# full gated attention every 4th layer, 8 routed experts and a gated shared expert on every layer; MTP left out.
+_QWEN3_NEXT = dict(
+    architectures=["Qwen3NextForCausalLM"],
+    model_type="qwen3_next",
+    num_hidden_layers=4,
+    full_attention_interval=4,
+    head_dim=32,
+    partial_rotary_factor=0.25,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=32,
+    num_experts=8,
+    num_experts_per_tok=2,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    norm_topk_prob=True,
+    hidden_act="silu",
+    attention_bias=False,
+)
+
+
 def tiny_config_dict(arch: str, **overrides) -> dict:
     """The config.json content of a tiny model of `arch`; `overrides` replace any field."""
     if arch not in ARCHS:
@@ -140,6 +176,8 @@ def tiny_config_dict(arch: str, **overrides) -> dict:
     elif arch == "glm4_moe_lite":
         cfg.pop("head_dim")
         cfg.update(_GLM4_MOE_LITE)
+    elif arch == "qwen3_next":
+        cfg.update(_QWEN3_NEXT)
     else:
         cfg.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", mlp_only_layers=[], **_MOE)
     cfg.update(overrides)

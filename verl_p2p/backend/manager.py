@@ -192,6 +192,8 @@ class P2PCheckpointEngineManager(CheckpointEngineManager):
         left unknown: those its error names, else (a rank that died, or failed before it knew) every target of its
         assignment, or of the push where the calls are not one per rank. Ray alone would raise the first error
         only, which for a dead rank names no target."""
+        from verl_p2p.rollout.lifecycle import _first_line
+
         calls = list(pushes or [])
         outcomes = await _each(calls)
         failed = [(i, o) for i, o in enumerate(outcomes) if isinstance(o, BaseException)]
@@ -254,8 +256,3 @@ async def _each(calls: list[Any]) -> list[Any]:
     return list(
         await asyncio.gather(*(c if inspect.isawaitable(c) else _value(c) for c in calls), return_exceptions=True)
     )
-
-
-def _first_line(error: BaseException, limit: int = 300) -> str:
-    text = str(error).strip().splitlines()
-    return (text[0] if text else "")[:limit]

@@ -10,9 +10,14 @@ set -euo pipefail
 CHECK_WEIGHTS=${CHECK_WEIGHTS:-1}
 P2P_PROTOCOL=${P2P_PROTOCOL:-tcp}
 VERSIONS=${VERSIONS:-6}
-# responses long enough that the rollouter is still generating when the trainer syncs (at 32 tokens every sample
-# was done in a fraction of a training step and no request was ever in flight at a sync: 0 partial rollouts, H200)
-RESPONSE_LENGTH=${RESPONSE_LENGTH:-256}
+# The rollouter must still be generating when the trainer syncs, or no request is in flight at a sync (verl counts 0
+# partial rollouts). verl's rollouter pauses once it is max_required_samples (required x (1 + staleness)) ahead and
+# drains every request before the sync, so a rollouter faster than the trainer never has one in flight: at 32
+# tokens and at 256 tokens with 16 prompts at a time, every step's samples were done well inside a training step
+# (0 partial rollouts at every step, H200). Long responses and 2 prompts at a time (8 requests with rollout.n=4)
+# keep the tiny model's generation slower than its training step, so each sync aborts requests and they resume.
+RESPONSE_LENGTH=${RESPONSE_LENGTH:-512}
+CONCURRENT_SAMPLES=${CONCURRENT_SAMPLES:-2}
 STEPS=$VERSIONS
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 source "$P2P_ROOT/recipes/tiny/tiny_args.sh"
@@ -31,7 +36,7 @@ ARGS=(
     async_training.require_batches=1
     async_training.staleness_threshold=0.5
     async_training.partial_rollout=true
-    async_training.concurrent_samples_per_replica=16
+    async_training.concurrent_samples_per_replica=$CONCURRENT_SAMPLES
     data.max_response_length=$RESPONSE_LENGTH
     actor_rollout_ref.rollout.calculate_log_probs=true
     actor_rollout_ref.actor.use_rollout_log_probs=true

@@ -5,6 +5,9 @@ PNG of reward and sync time per step; with several runs, a side-by-side table (m
 Per step: `sync_s` is verl's own timer around the weight sync (`timing_s/update_weights`), the same for every
 backend; `paused_s` is the rollout's paused window as p2p's lifecycle measures it (abort .. resume,
 `checkpoint_engine/p2p/phase/total_s`; absent for verl's own engines); `bytes` is what p2p wrote.
+Per sync (`syncs`, from the run's "p2p sync to version N" log lines): p2p's own seconds and bytes of each weight
+version. fully_async logs no sync figures in its training steps (the rollouter's syncs run beside them), so its
+plot shows these, by version, and its report carries verl's per-step partial-rollout counts (`fully_async`).
 
 Usage: grpo_report.py RUN_DIR [RUN_DIR ...] --names a,b --command "..." [--command ...] --out-dir docs/measurements
        [--device-seconds N ...] [--png]
@@ -24,6 +27,7 @@ PAUSED = "checkpoint_engine/p2p/phase/total_s"
 PUSH = "checkpoint_engine/p2p/phase/push_s"
 BYTES = "checkpoint_engine/p2p/bytes"
 REWARD = "critic/rewards/mean"
+SYNC_TOTAL = "checkpoint_engine/p2p/seconds/total"
 
 
 def read_run(run_dir: Path) -> tuple[dict, list[dict]]:
@@ -63,6 +67,13 @@ def per_step(rows: list[dict]) -> list[dict]:
     return out
 
 
+def syncs(summary: dict) -> list[dict]:
+    """p2p's figures of each weight version it wrote, in version order (the summary's sync log lines)."""
+    log = summary.get("p2p_sync_log") or {}
+    order = sorted(log, key=lambda v: (0, int(v)) if str(v).isdigit() else (1, str(v)))
+    return [{"version": v, "sync_s": log[v].get(SYNC_TOTAL), "bytes": log[v].get(BYTES)} for v in order]
+
+
 def checks(summary: dict) -> dict:
     """Every verdict the run's summary holds, flat (what the report's reader looks for first)."""
     compare = summary.get("greedy_vs_fresh_server", {})
@@ -87,7 +98,7 @@ def median(values: list) -> float | None:
 
 def report(name: str, summary: dict, rows: list[dict], command: str, device_s: float | None) -> dict:
     steps = per_step(rows)
-    return {
+    out = {
         "name": name,
         "command": command,
         "device_seconds": device_s,
@@ -97,7 +108,11 @@ def report(name: str, summary: dict, rows: list[dict], command: str, device_s: f
         # the first sync carries the connect / plan / first-push check: steady state is the rest
         "steady_sync_s_median": median([s["sync_s"] for s in steps[1:]]),
         "steady_paused_s_median": median([s["paused_s"] for s in steps[1:]]),
+        "syncs": syncs(summary),
     }
+    if "fully_async" in summary:
+        out["fully_async"] = summary["fully_async"]
+    return out
 
 
 def table(reports: list[dict]) -> str:
@@ -136,7 +151,12 @@ def plot(reports: list[dict], path: Path) -> None:
     for r in reports:
         steps = [s["step"] for s in r["steps"]]
         ax_reward.plot(steps, [s["reward_mean"] for s in r["steps"]], marker="o", label=r["name"])
-        ax_sync.plot(steps, [s["sync_s"] for s in r["steps"]], marker="o", label=f"{r['name']} sync")
+        if any(isinstance(s["sync_s"], (int, float)) for s in r["steps"]):
+            ax_sync.plot(steps, [s["sync_s"] for s in r["steps"]], marker="o", label=f"{r['name']} sync")
+        elif r["syncs"]:  # no per-step sync timer (fully_async): p2p's own seconds of each version
+            versions = [int(x["version"]) for x in r["syncs"] if str(x["version"]).isdigit()]
+            seconds = [x["sync_s"] for x in r["syncs"] if str(x["version"]).isdigit()]
+            ax_sync.plot(versions, seconds, marker="s", label=f"{r['name']} p2p sync (x: version)")
         if any(isinstance(s["paused_s"], (int, float)) for s in r["steps"]):
             ax_sync.plot(steps, [s["paused_s"] for s in r["steps"]], marker="x", ls="--", label=f"{r['name']} paused")
     ax_reward.set(title="mean reward per step", xlabel="step", ylabel="reward")

@@ -66,3 +66,29 @@ def test_e2e_harness_against_loopback(tmp_path):
         assert drill["recovery_sync"]["outcome"] == "ok"
         recovered = drill["recovery_sync"]["checks"]
         assert recovered == {"checksums_equal_fresh_rollout": True, "no_stand_in_violations": True}
+
+
+@pytest.mark.slow
+def test_e2e_harness_takes_glm45_and_refuses_deepseek_v3_into_a_rollout_without_sessions(tmp_path):
+    """The harness's new models on the CPU loopback (SGLang 0.5.12 classes and control plane, no sessions): the tiny
+    GLM-4.5 (dense first layer, shared expert, sigmoid routing) syncs exactly, checked against a fresh rollout; the
+    tiny DeepSeek-V3 (MLA: post_load_weights derives w_kc/w_vc) is refused by the trainer before any write, naming
+    the class, what it derives and the fix; the rollout stays serviceable and never serves unknown weights."""
+    out = tmp_path / "report.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MC_LOG_LEVEL": "ERROR"}
+    done = subprocess.run(
+        [sys.executable, "-m", "verl_p2p.cli", "e2e", "--rollout", "loopback", "--models", "glm4_moe,deepseek_v3",
+         "--syncs", "2", "--raw-syncs", "0", "--drills", "none", "--out", str(out), "--workdir", str(tmp_path / "w")],
+        capture_output=True, text=True, timeout=900, cwd=tmp_path, env=env,
+    )  # fmt: skip
+    assert done.returncode != 0  # DeepSeek-V3 cannot pass here
+    report = json.loads(out.read_text())
+    glm, dsv3 = report["models"]["glm4_moe"], report["models"]["deepseek_v3"]
+    assert glm["passed"] and len(glm["syncs"]) == 2 and all(s["outcome"] == "ok" for s in glm["syncs"])
+    assert all({c["name"]: c["ok"] for c in s["checks"]}["checksums_equal_fresh_rollout"] for s in glm["syncs"])
+    assert not dsv3["passed"] and dsv3["syncs"] and all(s["outcome"] == "failed" for s in dsv3["syncs"])
+    error = dsv3["syncs"][0]["error"]
+    assert "PostLoadWithoutSessionsError" in error and "DeepseekV3ForCausalLM.post_load_weights" in error, error
+    assert "w_kc/w_vc" in error and "nothing was written" in error and "SGLang >= 0.5.21" in error, error
+    checks = {c["name"]: c["ok"] for c in dsv3["syncs"][0]["checks"]}
+    assert checks["server_serviceable_after_failure"] and checks["unknown_weights_not_served"], checks

@@ -58,3 +58,23 @@ def test_a_failed_run_makes_the_report_fail(tmp_path):
     bad = write_run(tmp_path / "bad", [1.0, 1.0], paused=True, ok=False)
     assert grpo_report.main([str(bad), "--names", "bad", "--out-dir", str(tmp_path / "out")]) == 1
     assert json.loads((tmp_path / "out" / "bad.json").read_text())["checks"]["ok"] is False
+
+
+def test_a_fully_async_run_reports_p2p_syncs_by_version_and_partial_rollouts(tmp_path):
+    """fully_async's training steps carry no sync timer: the report takes each version's figures from the summary's
+    sync log (numeric order, 10 after 9) and keeps verl's partial-rollout counts."""
+    run = write_run(tmp_path / "fa", [], paused=False)
+    summary = json.loads((run / "summary.json").read_text())
+    summary["mode"] = "fully_async"
+    summary["p2p_sync_log"] = {
+        str(v): {"checkpoint_engine/p2p/seconds/total": 0.01 * (v + 1), "checkpoint_engine/p2p/bytes": 7.0}
+        for v in (10, 0, 9)
+    }
+    summary["fully_async"] = {"partial_rollouts": 31.0, "versions_non_decreasing": True}
+    (run / "summary.json").write_text(json.dumps(summary))
+    out = tmp_path / "out"
+    assert grpo_report.main([str(run), "--names", "fa", "--out-dir", str(out), "--png", "fa.png"]) == 0
+    rep = json.loads((out / "fa.json").read_text())
+    assert [s["version"] for s in rep["syncs"]] == ["0", "9", "10"] and rep["syncs"][2]["sync_s"] == 0.11
+    assert rep["syncs"][0]["bytes"] == 7.0 and rep["fully_async"]["partial_rollouts"] == 31.0
+    assert (out / "fa.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -88,3 +88,62 @@ def test_session_end_rebuilds_mla_derived_tensors_as_sglang_loads_them(tmp_path,
         finally:
             lifecycle.close()
             mirror.close()
+
+
+def _gemma_session_end(model: str, version: str) -> dict:
+    """In a process whose SGLang is `version` (its ranks inherit it): load, sync x 2, end the session; the facts."""
+    import sglang
+
+    spec = EngineSpec(tp=1, sglang_version=version, rank_timeout_s=120, dtype="bfloat16")
+    with loopback_engines([spec], model) as engines:
+        engine = engines[0]
+        loaded, params = engine.dump_derived(0), engine.dump(0)
+        gemma = sorted(n for n in loaded if n.endswith(".gemma_weight"))
+        mirror = MirrorPush.of_engines(engines, timeout_s=10.0)
+        lifecycle = SyncLifecycle([P2PReplicaAdapter(0, engine.url, config=CONFIG)], CONFIG)
+        try:
+            asyncio.run(lifecycle.sync(1, mirror.push(2.0)))
+            after, written = engine.dump_derived(0), engine.dump(0)
+            weight = {n: n.replace(".gemma_weight", ".weight") for n in gemma}
+            return {
+                "sglang": sglang.__version__,
+                "gemma": gemma,
+                "loaded_is_weight_plus_1": all(torch.equal(loaded[n], params[weight[n]] + 1) for n in gemma),
+                "mismatches": mirror.mismatches(2.0),
+                "ended": any(e["path"] == "/end_weight_update" for e in engine.events()),
+                "unchanged_at_end": [n for n in gemma if torch.equal(after[n], loaded[n])],
+                "equal_new_weight_plus_1": [n for n in gemma if torch.equal(after[n], written[weight[n]] + 1)],
+            }
+        finally:
+            lifecycle.close()
+            mirror.close()
+
+
+@pytest.mark.parametrize("version", ["0.5.21", "0.5.23"])
+def test_session_end_leaves_gemma_norm_weights_stale_the_evidence_behind_refusing_qwen3_next(tmp_path, version):
+    """Why Qwen3-Next is refused (replica/derived.py NOT_REBUILT), shown by SGLang itself: its GemmaRMSNorm keeps a
+    buffer gemma_weight = weight + 1 that the norm's weight loader computes. After a sync writes every parameter
+    x 2 and /end_weight_update runs SGLang's session-end post-processing (the ranks run that release's classes),
+    each norm weight is doubled but its gemma_weight still holds the loaded weight + 1: stale norms."""
+    import json
+    import subprocess
+    import sys
+
+    from support import replica_harness as harness
+
+    model = write_tiny_checkpoint(tmp_path / "next", "qwen3_next", id_encoded=False, dtype=torch.bfloat16)
+    code = (
+        "import json, sys; sys.path.insert(0, 'tests'); from test_loopback_post_load import _gemma_session_end; "
+        f"print('RESULT ' + json.dumps(_gemma_session_end({str(model)!r}, {version!r})))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=harness.version_env(version), capture_output=True, text=True,
+        timeout=600, cwd=os.fspath(harness.REPO),
+    )  # fmt: skip
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    got = json.loads(lines[-1][len("RESULT ") :])
+    assert got["sglang"] == version  # the ranks' model classes are that release's
+    assert len(got["gemma"]) >= 4 and "model.layers.0.input_layernorm.gemma_weight" in got["gemma"]
+    assert got["loaded_is_weight_plus_1"] and got["mismatches"] == [] and got["ended"]
+    assert got["unchanged_at_end"] == got["gemma"] and got["equal_new_weight_plus_1"] == []

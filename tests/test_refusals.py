@@ -556,3 +556,57 @@ def test_mla_derivation_is_allowed_only_from_its_own_kv_b_proj():
     other_layer = unexplained({"model.layers.1.self_attn.w_kc": frozenset({kv_b})}, feeds)
     assert other_layer == {"model.layers.1.self_attn.w_kc": "no allow-listed derivation builds it"}
     assert "model.layers.0.mlp.w13_packed" in unexplained({"model.layers.0.mlp.w13_packed": frozenset({kv_b})}, feeds)
+
+
+def test_derivations_known_not_rebuilt_at_session_end_are_named_with_their_evidence():
+    """GemmaRMSNorm's gemma_weight (Qwen3-Next, Qwen3.5) is computed by the norm's weight loader, which SGLang's
+    /end_weight_update never re-runs: the refusal names it as such; MLA's w_kc (allow-listed) is not among them."""
+    from verl_p2p.replica.derived import known_not_rebuilt
+
+    found = known_not_rebuilt(
+        ["model.layers.0.input_layernorm.gemma_weight", "model.layers.0.self_attn.w_kc", "model.norm.gemma_weight"]
+    )
+    ((what, names),) = found.items()
+    assert what.startswith("GemmaRMSNorm's gemma_weight") and "never re-runs a weight loader" in what
+    assert names == ["model.layers.0.input_layernorm.gemma_weight", "model.norm.gemma_weight"]
+    assert known_not_rebuilt(["model.layers.0.self_attn.w_kc"]) == {}
+
+
+def test_sessions_fact_reaches_the_assignment_on_the_demo_and_e2e_path():
+    """The demo and the e2e harness plan through `sole_source_assignment`: the lifecycle's sessionless engines
+    (a 0.5.12 server, before its first begin: what its release says) mark their targets there too, so a post-load
+    model into such a rollout is refused by the trainer before any write (it once failed deep in SGLang's model
+    init instead, with no word of sessions)."""
+    import asyncio
+
+    from support.fake_sglang import FakeSGLang
+
+    from verl_p2p.backend.topology import sole_source_assignment
+    from verl_p2p.rollout.adapter import P2PReplicaAdapter
+    from verl_p2p.rollout.lifecycle import SyncLifecycle
+
+    old, new = FakeSGLang(version="0.5.12", sessions=False), FakeSGLang(version="0.5.23")
+    config = P2PConfig(protocol="tcp", hostname="127.0.0.1", http_timeout=10.0)
+    adapters = [P2PReplicaAdapter(i, s.url, config=config) for i, s in enumerate((old, new))]
+    lifecycle = SyncLifecycle(adapters, config, frees_kv=True)
+    seen = []
+
+    async def prepare(connection):
+        seen.append(
+            (lifecycle.sessionless_engines(), sole_source_assignment(connection, lifecycle.sessionless_engines()))
+        )
+
+    async def push(connection):
+        return {}
+
+    try:
+        asyncio.run(lifecycle.sync(1, push, prepare=prepare))
+        sessionless, assignment = seen[0]  # the plan made before the pause: from the release alone
+        assert sessionless == (0,)
+        assert {t.engine for t in assignment.targets} == {0, 1}
+        assert assignment.sessionless_engines == frozenset({0})
+        assert lifecycle.sessionless_engines() == (0,)  # and after its begin answered 404
+    finally:
+        lifecycle.close()
+        old.stop()
+        new.stop()

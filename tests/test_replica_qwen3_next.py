@@ -66,6 +66,8 @@ def test_qwen3_next_is_captured_then_refused_naming_its_derived_norms(tmp_path, 
     assert proc.returncode != 0 and "SYNCABLE" not in proc.stdout
     err = proc.stderr[-3000:]
     assert "WritePlanError" in err and "input_layernorm.gemma_weight" in err and "leave them stale" in err, err
+    # with the evidence: SGLang's session end never re-runs the norm's weight loader that computes it
+    assert "known not rebuilt: GemmaRMSNorm's gemma_weight" in err and "never re-run" in err, err
 
 
 def test_qwen3_next_checkpoint_tensor_list_is_transformers_own():

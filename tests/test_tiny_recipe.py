@@ -146,9 +146,12 @@ def test_every_run_of_the_gpu_report_passes_verls_config_validation(variant):
         assert module == "verl.experimental.fully_async_policy.fully_async_main"
         assert cfg.async_training.partial_rollout is True and cfg.async_training.trigger_parameter_sync_step == 1
         assert cfg.rollout.total_rollout_steps == 8 * 6 and cfg.trainer.save_freq > 6  # one save, forced at the end
-        # requests still generating when a sync starts (32-token responses never were: 0 partial rollouts on the
-        # H200), and verl's validation after the last sync keeps the rollout serving the version it ends with
-        assert cfg.data.max_response_length == 256 and cfg.trainer.test_freq == 6
+        # requests still generating when a sync starts: a rollouter slower than the trainer (32- and 256-token
+        # responses from 16 prompts at a time never were: 0 partial rollouts on the H200), within the tiny model's
+        # positions; verl's validation after the last sync keeps the rollout serving the version it ends with
+        assert cfg.data.max_response_length == 512 and cfg.async_training.concurrent_samples_per_replica == 2
+        assert cfg.data.max_prompt_length + cfg.data.max_response_length <= 1024  # make_tiny's max positions
+        assert cfg.trainer.test_freq == 6
         # the optimizer is built before verl's rollouter counts the steps: the schedule's length is set up front
         assert cfg.actor_rollout_ref.actor.optim.total_training_steps == 6
         # verl's rollouter actor alone asks for 10 CPUs: Ray is given enough logical slots to schedule it

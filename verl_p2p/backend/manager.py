@@ -133,7 +133,7 @@ class P2PCheckpointEngineManager(CheckpointEngineManager):
         sources = await self._source_metas()
         # engines whose begin answered 404 (no weight-update sessions): the trainer refuses models needing post-load
         # (before the first begin: what the server's release says, so that the begin's answer changes nothing)
-        sessionless = tuple(a.engine for a in self._lifecycle.adapters if a.sessions_expected is False)
+        sessionless = self._lifecycle.sessionless_engines()
         # a re-push is a plan of its own
         key = (connection.generation, tuple(connection.targets), tuple(sources), sessionless)
         if key == self._plan_key:

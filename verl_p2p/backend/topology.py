@@ -212,13 +212,15 @@ class TopologyCache:
 DRIVER_CACHE = TopologyCache()
 
 
-def sole_source_assignment(connection: Any) -> Assignment:
+def sole_source_assignment(connection: Any, sessionless: Iterable[int] = ()) -> Assignment:
     """The whole plan of a trainer that is one source (rank 0, one pipeline stage): every target of `connection`
-    (a lifecycle Connection) is its own. What the demo and the e2e harness push with."""
+    (a lifecycle Connection) is its own. What the demo and the e2e harness push with. `sessionless`: as for
+    `assign` (the lifecycle's `sessionless_engines()`), so a post-load model is refused there too."""
     return assign(
         [SourceMeta(0, 0, 1)],
         connection.server_infos,
         connection.rank_infos,
         connection.layouts,
         connection.generation,
+        sessionless,
     )[0]

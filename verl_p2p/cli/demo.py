@@ -118,13 +118,14 @@ async def _run(args: argparse.Namespace, workdir: Path) -> int:
         ]
         lifecycle = SyncLifecycle(adapters, config, frees_kv=True)
         source = SourceSession(config, trainer, hostname="127.0.0.1")
-        held_generation = [None]
+        held_key = [None]
 
         async def prepare(connection: Any) -> None:  # before the pause: plan, replicas, programs, slots
-            if held_generation[0] != connection.generation:
-                plan = sole_source_assignment(connection)
+            sessionless = lifecycle.sessionless_engines()
+            if held_key[0] != (connection.generation, sessionless):
+                plan = sole_source_assignment(connection, sessionless)
                 await asyncio.to_thread(source.apply, plan)
-                held_generation[0] = connection.generation
+                held_key[0] = (connection.generation, sessionless)
                 print(
                     f"[demo] plan generation {plan.generation}: trainer rank 0 (pp 0) -> "
                     + ", ".join(str(t) for t in plan.targets)

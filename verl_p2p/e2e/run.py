@@ -37,7 +37,9 @@ from typing import Any
 # Model shapes. "tiny": the CPU sandbox's (CI, loopback). "gpu": big enough that a push measures bandwidth.
 # "4b": Qwen3-4B's shape (tied embeddings, about 8 GB in bf16): a sync of a few GB, where the pause figures show.
 SIZES: dict[str, dict[str, dict[str, Any]]] = {
-    "tiny": {"qwen3": {}, "qwen3_moe": {}},
+    # deepseek_v3 / glm4_moe: the sandbox's tiny DeepSeek-V3 (MLA, dense first layer, shared expert) and GLM-4.5;
+    # a post-load (MLA) model needs a rollout with weight-update sessions (SGLang >= 0.5.21), else it is refused
+    "tiny": {"qwen3": {}, "qwen3_moe": {}, "deepseek_v3": {}, "glm4_moe": {}},
     "gpu": {
         "qwen3": dict(
             vocab_size=32000,
@@ -294,10 +296,11 @@ class Harness:
         from verl_p2p.backend.topology import sole_source_assignment
         from verl_p2p.planning.targets import RemoteRankInfo
 
-        key = (self.trainer_instance, connection.generation, corrupt_session)
+        sessionless = self.lifecycle.sessionless_engines()
+        key = (self.trainer_instance, connection.generation, corrupt_session, sessionless)
         if self.applied == key:
             return
-        assignment = sole_source_assignment(connection)
+        assignment = sole_source_assignment(connection, sessionless)
         if corrupt_session:  # what a rollout restart leaves in a stale plan: a session nobody listens on
             infos = {t: RemoteRankInfo("127.0.0.1:1", i.params) for t, i in assignment.rank_infos.items()}
             assignment = replace(assignment, rank_infos=infos)
@@ -617,7 +620,7 @@ def _summary(results: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="verl-p2p e2e", description=__doc__.splitlines()[0])
     parser.add_argument("--rollout", choices=("sglang", "loopback"), default="loopback")
-    parser.add_argument("--models", default="qwen3,qwen3_moe", help="comma list of qwen3, qwen3_moe")
+    parser.add_argument("--models", default="qwen3,qwen3_moe", help=f"comma list of {', '.join(SIZES['tiny'])} (deepseek_v3: MLA, needs a rollout with sessions)")
     parser.add_argument("--size", choices=tuple(SIZES), default=None, help="default: gpu for sglang, tiny for loopback")
     parser.add_argument("--device", choices=("cuda", "cpu"), default=None, help="trainer device (default by rollout)")
     parser.add_argument("--syncs", type=int, default=3, help="plain syncs before the drills (the first is checked)")

@@ -29,7 +29,12 @@ from verl_p2p.loopback.fault_injection import LoopbackFaults
 from verl_p2p.loopback.features import Features, installed_sglang_version
 from verl_p2p.loopback.lifecycle import VIOLATION, Lifecycle
 from verl_p2p.loopback.rank_worker import DEFAULT_BUILDER, RankArgs, RankHandle, rank_main
-from verl_p2p.loopback.server_args import launch_server_args, resolve_server_args
+from verl_p2p.loopback.server_args import (
+    cpu_rank_settings,
+    launch_server_args,
+    resolve_server_args,
+    server_args_field_names,
+)
 
 
 @dataclass(frozen=True)
@@ -129,7 +134,7 @@ class LoopbackEngine:
             port=self.port,
             bootstrap_port=self.bootstrap_port,
             api_key=spec.api_key,
-            **spec.server_args_overrides,
+            **{**cpu_rank_settings(self.model_path, server_args_field_names()), **spec.server_args_overrides},
         )
         try:
             self._spawn_ranks()

@@ -157,14 +157,15 @@ class _RankServer:
         return {"success": True, "message": "Success.", "payload": payload}
 
     def dump_derived(self) -> bytes:
-        """Copies of the non-parameter tensors the model derived after loading (MLA's w_kc / w_vc): what
-        `weights_checker` cannot see and a session end must rebuild."""
+        """Copies of the non-parameter tensors the model derived after loading (MLA's w_kc / w_vc, attributes;
+        GemmaRMSNorm's gemma_weight, a registered buffer): what `weights_checker` cannot see and a session end
+        must rebuild."""
         import torch
 
         derived = {
-            f"{module_name}.{attr}": t.detach().clone()
+            f"{module_name}.{attr}" if module_name else attr: t.detach().clone()
             for module_name, module in self.model.named_modules()
-            for attr, t in vars(module).items()
+            for attr, t in {**module._buffers, **vars(module)}.items()
             if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter)
         }
         buf = io.BytesIO()

@@ -13,8 +13,33 @@ SGLang's own server process are restored afterwards, so the caller's environment
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+from pathlib import Path
 from typing import Any
+
+
+def server_args_field_names() -> set[str]:
+    """The installed SGLang's ServerArgs field names."""
+    from sglang.srt.server_args import ServerArgs
+
+    try:
+        from sglang.srt.arg_groups.arg_utils import record_fields
+    except ImportError:
+        return {f.name for f in dataclasses.fields(ServerArgs)}
+    return {f.name for f in record_fields(ServerArgs)}
+
+
+def cpu_rank_settings(model_path: str | os.PathLike, fields: set[str]) -> dict[str, Any]:
+    """Scheduler settings a CPU rank of this model takes instead of GPU defaults SGLang refuses on a CPU host:
+    for hybrid linear attention (Qwen3-Next) the planning context's own (`rank_context.HYBRID_CPU_SETTINGS`),
+    which size caches and order batches, never weights. Only those the installed ServerArgs has."""
+    from verl_p2p.replica.rank_context import HYBRID_CPU_SETTINGS, hybrid_linear_attention
+
+    config = Path(model_path) / "config.json"
+    if not config.is_file() or not hybrid_linear_attention(json.loads(config.read_text())):
+        return {}
+    return {k: v for k, v in HYBRID_CPU_SETTINGS.items() if k in fields}
 
 
 def launch_server_args(

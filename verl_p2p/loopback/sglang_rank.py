@@ -7,8 +7,10 @@ checkpoint with SGLang's own model loader. The trainer-side replica fakes all of
 this module shares no code with it, so agreement between the two is evidence, not tautology.
 
 CPU stand-in notes: `device` is forced to "cpu" (no kernels run: there is no forward pass), gloo is the
-backend, and `verl_p2p.sandbox.cpu_stubs.install_cpu_stubs()` supplies the `vllm._custom_ops` module SGLang's
-rotary embedding imports on hosts without CUDA.
+backend, a hybrid linear-attention model (Qwen3-Next) takes the CPU-legal scheduler settings of the planning
+context (`loopback.server_args.cpu_rank_settings`: they size caches and order batches, never weights), and
+`verl_p2p.sandbox.cpu_stubs.install_cpu_stubs()` supplies the `vllm._custom_ops` module SGLang's rotary embedding
+imports on hosts without CUDA.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 import torch
 
 from verl_p2p.errors import P2PConfigError
+from verl_p2p.loopback.server_args import cpu_rank_settings, server_args_field_names
 from verl_p2p.sandbox.cpu_stubs import install_cpu_stubs
 
 
@@ -65,12 +68,9 @@ def _server_args(model_path: str, server_args: Mapping[str, Any], tp_size: int):
     from sglang.srt.server_args import ServerArgs
 
     args = _args(model_path, server_args, tp_size)
-    try:
-        from sglang.srt.arg_groups.arg_utils import record_fields
-    except ImportError:
-        known = {f.name for f in dataclasses.fields(ServerArgs)}
-    else:
-        known = {f.name for f in record_fields(ServerArgs)}
+    known = server_args_field_names()
+    for key, value in cpu_rank_settings(model_path, known).items():
+        args.setdefault(key, value)
     unknown = sorted(set(args) - known)
     if unknown:
         import sglang

@@ -5,7 +5,8 @@ publishes only its parameters, so after a p2p sync such a tensor is right only i
 inputs that are all published and written. SGLang does that at `/end_weight_update` (from 0.5.21) when the
 session's bytes came from outside its loader. This is the allow-list of derivations known to qualify; a plan
 whose derived tensors are not all on it is refused (`check_syncable`), and a rollout without sessions is
-refused for any of them (`model_class.refuse_post_load_without_sessions`).
+refused for any of them (`model_class.refuse_post_load_without_sessions`). Derivations known NOT to be redone
+at session end (`NOT_REBUILT`, e.g. Gemma-style norms' gemma_weight) are refused with their evidence.
 """
 
 from __future__ import annotations
@@ -50,6 +51,40 @@ MLA_ABSORBED = Derivation(
     loaders=("DeepseekV2WeightLoaderMixin",),
 )
 DERIVATIONS: tuple[Derivation, ...] = (MLA_ABSORBED,)
+
+
+@dataclass(frozen=True)
+class NotRebuilt:
+    """A derivation SGLang is known not to redo at session end: refused, with the evidence (`why`)."""
+
+    what: str
+    pattern: re.Pattern[str]
+    why: str
+
+
+# Qwen3-Next (and the Qwen3.5 hybrids): GemmaRMSNorm keeps a buffer gemma_weight = weight + 1, set by the norm's
+# own weight loader (SGLang 0.5.21 and 0.5.23 layers/layernorm.py GemmaRMSNorm._weight_loader; 0.5.23 through
+# refresh_gemma_weight). /end_weight_update runs only the model's post_load_weights (these classes have none)
+# and the quant methods' process_weights_after_loading (a norm has none); the only other refresh is the
+# presharded loader's _rebind_parameter_aliases. A p2p write leaves it at the old weight + 1, and a buffer is
+# not published for writing (SGLang registers named_parameters only).
+GEMMA_NORM = NotRebuilt(
+    what="GemmaRMSNorm's gemma_weight (its weight + 1)",
+    pattern=re.compile(r"^.+\.gemma_weight$"),
+    why="the norm's weight loader computes it, and SGLang's /end_weight_update (0.5.21, 0.5.23) never re-runs a "
+    "weight loader: it runs only the model's post_load_weights and the quant methods' post-processing",
+)
+NOT_REBUILT: tuple[NotRebuilt, ...] = (GEMMA_NORM,)
+
+
+def known_not_rebuilt(derived: Iterable[str]) -> dict[str, list[str]]:
+    """Derived tensors of a known derivation a session end does not redo: {evidence: names}."""
+    found: dict[str, list[str]] = {}
+    for name in derived:
+        for d in NOT_REBUILT:
+            if d.pattern.match(name):
+                found.setdefault(f"{d.what}: {d.why}", []).append(name)
+    return found
 
 
 def derivation_of(derived: str, params: Iterable[str]) -> tuple[Derivation, list[str]] | None:

@@ -50,9 +50,10 @@ def refuse_without_sessions(
     version = server_info.get("version") or "?"
     what = "; ".join(derives) or "tensors p2p does not know how to rebuild"
     raise PostLoadWithoutSessionsError(
-        f"rollout engine {engine} runs SGLang {version} without weight-update sessions (/begin_weight_update "
-        f"answered 404), so SGLang never calls {hook}() after p2p writes its weights: the tensors that model "
-        f"derives after loading ({what}) would keep the old values while the rest is new; nothing was written. "
+        f"rollout engine {engine} runs SGLang {version} without weight-update sessions (its /begin_weight_update "
+        f"answers 404, or its release predates them), so SGLang never calls {hook}() after p2p writes its "
+        f"weights: the tensors that model derives after loading ({what}) would keep the old values while the "
+        "rest is new; nothing was written. "
         f"Fix: run the rollout on SGLang >= {SESSIONS_SINCE} (its weight-update session runs post-load "
         "processing when the sync ends), or use verl's own weight sync for this model"
     )

@@ -20,7 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from verl_p2p.errors import UnsupportedLayoutError
-from verl_p2p.replica.derived import DERIVATIONS, derivation_of, forget_derived, unexplained
+from verl_p2p.replica.derived import DERIVATIONS, derivation_of, forget_derived, known_not_rebuilt, unexplained
 from verl_p2p.replica.rank_context import RankContext
 
 logger = logging.getLogger(__name__)
@@ -481,13 +481,15 @@ def check_syncable(plan: WritePlan) -> None:
     problems = unexplained(dict.fromkeys(plan.derived, frozenset()), {n: p.feeds for n, p in plan.params.items()})
     if problems:
         names = list(problems)
+        known = known_not_rebuilt(names)
+        evidence = "".join(f"; known not rebuilt: {what} ({len(n)} tensors, e.g. {n[:2]})" for what, n in known.items())
         raise WritePlanError(
             f"SGLang computes {len(names)} non-parameter tensors of this model from its checkpoint after "
-            f"loading (e.g. {names[:3]}, built by the model's post_load_weights) that p2p does not know to be "
-            "rebuilt from the parameters it writes (allow-listed: "
-            f"{[d.what for d in DERIVATIONS]}); a rollout registers only its parameters for remote writes, so "
-            "a p2p sync would leave them stale. Use a model without such post-load processing, or a backend "
-            "that calls SGLang's update_weights"
+            f"loading (e.g. {names[:3]}, built by the model's post_load_weights or a weight loader) that p2p does "
+            "not know to be rebuilt from the parameters it writes (allow-listed: "
+            f"{[d.what for d in DERIVATIONS]}){evidence}; a rollout registers only its parameters for remote "
+            "writes, so a p2p sync would leave them stale. Use a model without such post-load processing, or a "
+            "backend that calls SGLang's update_weights"
         )
 
 

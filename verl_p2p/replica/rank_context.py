@@ -408,7 +408,7 @@ class RankContext:
         self.layout = layout
         self.server_args_in = dict(server_args)
         self.config_dir = checkpoint_config_dir(hf_config_dict(hf_config))
-        self.hybrid_linear_attention = _hybrid_linear_attention(hf_config_dict(hf_config))
+        self.hybrid_linear_attention = hybrid_linear_attention(hf_config_dict(hf_config))
         self._depth = 0
         with _LOCK:
             self._adapter = _GlobalsAdapter(self) if kind == "module_globals" else _RuntimeContextAdapter(self)
@@ -464,11 +464,11 @@ def _with_config_dir(values: dict, names: set[str], config_dir: str) -> dict:
 
 # Scheduler settings of hybrid linear-attention models (Qwen3-Next) that SGLang refuses on a CPU host: the Mamba
 # cache's `extra_buffer` needs a GPU platform and `no_buffer` no overlap schedule. They size caches and order
-# batches, not weights: the planning context takes the CPU-legal values.
-_HYBRID_PLANNING = {"mamba_radix_cache_strategy": "no_buffer", "disable_overlap_schedule": True}
+# batches, not weights: the planning context takes the CPU-legal values (and so do the CPU loopback ranks).
+HYBRID_CPU_SETTINGS = {"mamba_radix_cache_strategy": "no_buffer", "disable_overlap_schedule": True}
 
 
-def _hybrid_linear_attention(cfg: Mapping[str, Any]) -> bool:
+def hybrid_linear_attention(cfg: Mapping[str, Any]) -> bool:
     """A model whose layers mix linear (gated-delta-net / Mamba) and full attention."""
     return "linear_attention" in (cfg.get("layer_types") or ()) or "full_attention_interval" in cfg
 
@@ -477,7 +477,7 @@ def _planning_values(values: dict, names: set[str], ctx: Any) -> dict:
     """The rollout's server args as the planning context hands them to SGLang on this host."""
     values = _with_config_dir(values, names, ctx.config_dir)
     if getattr(ctx, "hybrid_linear_attention", False):
-        values.update({k: v for k, v in _HYBRID_PLANNING.items() if k in names})
+        values.update({k: v for k, v in HYBRID_CPU_SETTINGS.items() if k in names})
     return values
 
 

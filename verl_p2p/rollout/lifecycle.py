@@ -727,6 +727,11 @@ class SyncLifecycle:
         finally:
             run.phases[name] = time.perf_counter() - t0
 
+    def sessionless_engines(self) -> tuple[int, ...]:
+        """Engines known or expected to have no weight-update sessions (their begin answered 404, or before the
+        first begin their SGLang release predates 0.5.21): what a trainer's plan refuses post-load models for."""
+        return tuple(a.engine for a in self.adapters if a.sessions_expected is False)
+
     def close(self) -> None:
         for adapter in self._adapters.values():
             adapter.close()

@@ -21,6 +21,7 @@ import contextlib
 import importlib
 import importlib.machinery
 import os
+import re
 import socket
 import sys
 import traceback
@@ -142,7 +143,7 @@ def _cuda_is_identity() -> Iterator[None]:
     saved = torch.Tensor.cuda, torch.nn.Module.cuda, torch.cuda.current_device
     torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
     torch.nn.Module.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
-    torch.cuda.current_device = lambda: None  # type: ignore[assignment]
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
     try:
         yield
     finally:
@@ -198,6 +199,121 @@ def add_local_mtp_layernorm_mappings() -> None:
     Qwen3Bridge.mapping_registry = mapping_registry  # type: ignore[method-assign]
 
 
+_GROUPED_EXPERT = re.compile(r"^(?P<head>.*\.mlp\.experts)\.(?P<fc>linear_fc[12])\.weight\*$")
+
+
+def add_local_expert_mappings(bridge_cls: type) -> None:
+    """Teach a bridge megatron-core's local expert names (idempotent).
+
+    Some bridges (GLM-4.5's) map only TE's grouped experts (`experts.linear_fc1.weight<E>`); the local spec builds
+    a SequentialMLP (`experts.local_experts.<E>.linear_fc1.weight`). Each grouped per-expert mapping gets its
+    local twin with the same HF names, where the bridge has none."""
+    from megatron.bridge.models.conversion.mapping_registry import MegatronMappingRegistry
+    from megatron.bridge.models.conversion.param_mapping import AutoMapping, GatedMLPMapping
+
+    if getattr(bridge_cls.mapping_registry, "__local_experts__", False):
+        return
+    original = bridge_cls.mapping_registry
+
+    def mapping_registry(self: Any) -> Any:
+        mappings = list(original(self).mappings)
+        have = {m.megatron_param for m in mappings}
+        for m in list(mappings):
+            match = _GROUPED_EXPERT.match(m.megatron_param)
+            if match is None:
+                continue
+            local = f"{match['head']}.local_experts.*.{match['fc']}.weight"
+            if local in have:
+                continue
+            if type(m) is GatedMLPMapping:
+                mappings.append(GatedMLPMapping(megatron_param=local, gate=m.hf_param["gate"], up=m.hf_param["up"]))
+            elif type(m) is AutoMapping:
+                mappings.append(AutoMapping(megatron_param=local, hf_param=m.hf_param))
+            else:  # fused HF experts (one tensor for all experts): no per-expert twin
+                continue
+            have.add(local)
+        return MegatronMappingRegistry(*mappings)
+
+    mapping_registry.__local_experts__ = True  # type: ignore[attr-defined]
+    bridge_cls.mapping_registry = mapping_registry  # type: ignore[method-assign]
+
+
+def _mla_local_attention() -> type:
+    """megatron-core's local DotProductAttention with MLA's own head dims.
+
+    MLASelfAttention hands its core attention `k_channels` (q/k head dim) and `v_channels`; only TE's attention
+    takes them. The local one's math is head-dim agnostic but sizes its output by `kv_channels`: size it by
+    `v_channels` instead. No parameters, so the export is untouched."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class MLADotProductAttention(DotProductAttention):
+        def __init__(self, *args: Any, k_channels: int | None = None, v_channels: int | None = None, **kwargs: Any):
+            super().__init__(*args, **kwargs)
+            if v_channels is not None:
+                self.hidden_size_per_attention_head = v_channels
+                self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+
+    return MLADotProductAttention
+
+
+def _mla_local_self_attention() -> type:
+    """MLASelfAttention whose q projection without a q LoRA (DeepSeek-V2) is a plain linear.
+
+    megatron-core's norm resolver wants a fused norm+linear `linear_q_proj` there (TE's; the local backend has
+    none) and rejects a standalone q norm; the HF model has no q norm at all without a q LoRA. The kv side
+    keeps its standalone norm (`kv_a_layernorm`), as the resolver builds it with a q LoRA."""
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    class LocalMLASelfAttention(MLASelfAttention):
+        def _resolve_qk_norm_config(self, submodules: Any) -> dict[str, Any]:
+            if self.config.q_lora_rank is not None or not self.config.qk_layernorm:
+                return super()._resolve_qk_norm_config(submodules)
+            return dict(
+                linear_q_proj=submodules.linear_q_proj,
+                linear_q_up_proj=IdentityOp,
+                linear_kv_up_proj=submodules.linear_kv_up_proj,
+                q_layernorm=IdentityOp,
+                kv_layernorm=submodules.kv_layernorm,
+            )
+
+    return LocalMLASelfAttention
+
+
+def _local_decoder_block_spec(config: Any, vp_stage: int | None = None, pp_rank: int | None = None) -> Any:
+    """The bridge's per-layer block spec (dense first layers from `moe_layer_freq`) with megatron-core's local
+    modules, MLA layers with an attention that takes MLA's head dims."""
+    import dataclasses
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    block = get_gpt_decoder_block_spec(
+        config, use_transformer_engine=False, normalization=config.normalization, vp_stage=vp_stage, pp_rank=pp_rank
+    )
+    attention, mla = _mla_local_attention(), _mla_local_self_attention()
+    layers = []
+    for layer in block.layer_specs:
+        attn = layer.submodules.self_attention
+        if attn.module is MLASelfAttention:
+            sub = dataclasses.replace(attn.submodules, core_attention=attention)
+            attn = dataclasses.replace(attn, module=mla, submodules=sub)
+            layer = dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, self_attention=attn))
+        layers.append(layer)
+    return dataclasses.replace(block, layer_specs=layers)
+
+
+def _local_spec(bridge_spec: Any) -> Any:
+    """Without TE, the local counterpart of the spec the bridge chose: a per-layer block spec stays one (a single
+    layer spec would make every layer MoE and the dense layers' HF tensors unloadable)."""
+    from megatron.bridge.models.gpt_provider import local_layer_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    if getattr(bridge_spec, "func", None) is get_gpt_decoder_block_spec:
+        return _local_decoder_block_spec
+    return local_layer_spec
+
+
 def build_tiny_megatron(
     hf_dir: str | Path, par: Parallel, *, device: str = "cpu", dtype: torch.dtype = torch.float32
 ) -> tuple[list[torch.nn.Module], Any]:
@@ -207,7 +323,6 @@ def build_tiny_megatron(
     """
     install_te_stub()
     from megatron.bridge import AutoBridge
-    from megatron.bridge.models.gpt_provider import local_layer_spec
     from megatron.core import parallel_state as mpu
 
     if mpu.model_parallel_is_initialized():
@@ -225,6 +340,7 @@ def build_tiny_megatron(
         tensor_parallel.model_parallel_cuda_manual_seed(0)
 
     bridge = AutoBridge.from_hf_pretrained(str(hf_dir), torch_dtype=dtype)
+    add_local_expert_mappings(type(bridge._model_bridge))
     provider = bridge.to_megatron_provider(load_weights=True)
     on_cpu = device == "cpu"
     overrides = dict(
@@ -233,7 +349,7 @@ def build_tiny_megatron(
         virtual_pipeline_model_parallel_size=par.vpp,
         expert_model_parallel_size=par.ep,
         expert_tensor_parallel_size=par.etp,
-        transformer_layer_spec=local_layer_spec,
+        transformer_layer_spec=_local_spec(provider.transformer_layer_spec),
         transformer_impl="local",
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -251,6 +367,7 @@ def build_tiny_megatron(
         moe_router_fusion=False,
         cross_entropy_loss_fusion=False,
         moe_token_dispatcher_type="allgather",
+        moe_shared_expert_overlap=False,
         sequence_parallel=False,
     )
     for key, value in overrides.items():

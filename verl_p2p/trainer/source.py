@@ -124,6 +124,7 @@ class SourceSession:
                 assignment.generation,
                 type(exc).__name__,
                 exc,
+                exc_info=logger.isEnabledFor(logging.DEBUG) or None,
             )
         if self.writer is not None:
             self.writer.close()

@@ -83,6 +83,14 @@ fi
         cat "$STACK"/part.* | python3 -c 'import sys, tarfile
 tarfile.open(fileobj=sys.stdin.buffer, mode="r|xz").extractall(sys.argv[1], filter="tar")' "$SITE_ROOT" || exit 2
     fi
+    # NIXL for BACKEND=nixl (scripts/gpu_wheels.sh --nixl: one part, carried in a call of its own or with a run)
+    if compgen -G ".gpu-nixl/part.*" >/dev/null && [[ ! -d "$SITE_ROOT/site/nixl" ]]; then
+        cat .gpu-nixl/part.* | python3 -c 'import sys, tarfile
+tarfile.open(fileobj=sys.stdin.buffer, mode="r|xz").extractall(sys.argv[1], filter="tar")' "$SITE_ROOT" || exit 2
+    fi
+    if [[ "${BACKEND:-p2p}" == nixl ]]; then
+        python3 -c 'import nixl._api, nixl._bindings' || { echo "BACKEND=nixl: carry .gpu-nixl/part.aa"; exit 3; }
+    fi
     echo "== imports $(date -u +%T)"
     nvidia-smi -L
     python3 - <<'EOF' || exit 3

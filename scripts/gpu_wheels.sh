@@ -7,6 +7,8 @@
 #
 # Usage: bash scripts/gpu_wheels.sh [DEST]        (DEST defaults to .gpu-grpo/, git-ignored)
 #        bash scripts/gpu_wheels.sh --sglang 0.5.21 [DEST]   (DEST defaults to .gpu-stack-0521/; see build_0521 below)
+#        bash scripts/gpu_wheels.sh --nixl [DEST]   (DEST defaults to .gpu-nixl/: NIXL for verl's nixl engine, one
+#                                                  part; scripts/gpu_grpo_run.sh unpacks it into the same site)
 # Output: DEST/part.aa, part.ab, ...   Carry one part per device call into /tmp/stack, then on the device:
 #   cat /tmp/stack/part.* | python3 -c 'import sys,tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode="r|xz").extractall("/tmp", filter="tar")'
 #   export PYTHONPATH=/tmp/site:$PWD CUDA_HOME=/usr/local/cuda
@@ -22,7 +24,11 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 sglang_version=0.5.12
-if [[ "${1:-}" == --sglang ]]; then
+nixl=0
+if [[ "${1:-}" == --nixl ]]; then
+    nixl=1
+    shift
+elif [[ "${1:-}" == --sglang ]]; then
     sglang_version=${2:?--sglang needs a version: 0.5.12 or 0.5.21}
     shift 2
 fi
@@ -34,6 +40,7 @@ case "$sglang_version" in
         exit 2
         ;;
 esac
+((nixl)) && default_dest=.gpu-nixl
 dest=${1:-$default_dest}
 python=${PYTHON:-.venv/bin/python}
 mkdir -p "$dest"
@@ -183,6 +190,23 @@ build_0521() {
     echo "$(ls "$dest"/part.* | wc -l) part(s), $(du -cm "$dest"/part.* | tail -1 | cut -f1) MiB in $dest, built in" \
         "$((SECONDS - t0)) s: carry one per device call (with parts.sha256), the last with the run (recipes/README.md)"
 }
+
+# NIXL for verl's own nixl checkpoint engine (BACKEND=nixl): the CUDA 13 build (UCX and its plugins bundled) and the
+# `nixl` shim that maps nixl._api / nixl._bindings onto it. Installed as the device will see it, under site/ (it
+# unpacks beside the main stack); its headers and example scripts stay behind. One part of about 50 MiB.
+if ((nixl)); then
+    rm -rf "$dest/site" "$dest"/part.*
+    mkdir -p "$dest/wheels"
+    "$python" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${plat[@]}" \
+        -d "$dest/wheels" nixl==1.5.1 nixl-cu13==1.5.1
+    "$python" -m pip install -q --no-deps --no-compile --no-warn-script-location --target "$dest/site" \
+        "$dest"/wheels/*.whl
+    rm -rf "$dest/site/bin" "$dest/site/include" "$dest/site/share"
+    find "$dest/site" -name __pycache__ -type d -prune -exec rm -rf {} +
+    tar -C "$dest" -cf - site | xz -T0 -6 | split -b 60M - "$dest/part."
+    ls -la "$dest"/part.*
+    exit 0
+fi
 
 # The SGLang 0.5.21 stack (weight-update sessions): torch 2.13 and its changed CUDA libraries travel too, as the
 # wheels themselves (already compressed: no xz), tar'd and split; scripts/gpu_stack_install.sh installs them there.

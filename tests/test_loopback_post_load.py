@@ -1,14 +1,15 @@
-"""The loopback runs SGLang's end-of-session post-processing, so CPU tests see derived tensors as a rollout
-holds them (docs/architecture.md: derived tensors).
+"""The loopback runs SGLang's end-of-session post-processing, so CPU tests see derived tensors as a rollout holds them
+(docs/architecture.md: derived tensors).
 
-One loopback engine (TP2, SGLang's real DeepseekV3ForCausalLM ranks: MLA's `post_load_weights` derives
-w_kc / w_vc from kv_b_proj) claims SGLang 0.5.23, so it has weight-update sessions. A real sync (SyncLifecycle,
-Mooncake tcp writes of MirrorPush: every parameter x 2) leaves w_kc / w_vc stale until `/end_weight_update`
-re-runs the model's post-processing; after it they equal what SGLang's own loader derives from the new weights
-(its start-up load of the same checkpoint, x 2: the derivation is reshape/transpose, exact under a power-of-two
-scale). The same with a 128x128 block-FP8 checkpoint (the trainer's quantizer wrote it): `w_kc`/`w_vc` come from
-kv_b_proj dequantized with its scales at session end, as SGLang's FP8 load derives them; x 2 keeps the e4m3 bytes
-and doubles the scales, so after end they are exactly x 2 too.
+One loopback engine (TP2, SGLang's real DeepseekV3ForCausalLM ranks: MLA's `post_load_weights` derives w_kc / w_vc
+from kv_b_proj) runs SGLang 0.5.21 or 0.5.23 (each test body runs in a process whose SGLang is that release, so the
+ranks' model classes and session-end code are that release's), with weight-update sessions. A real sync
+(SyncLifecycle, Mooncake tcp writes of MirrorPush: every parameter x 2) leaves w_kc / w_vc stale until
+`/end_weight_update` re-runs the model's post-processing; after it they equal what SGLang's own loader derives from
+the new weights (its start-up load of the same checkpoint, x 2: the derivation is reshape/transpose, exact under a
+power-of-two scale). The same with a 128x128 block-FP8 checkpoint (the trainer's quantizer wrote it): `w_kc`/`w_vc`
+come from kv_b_proj dequantized with its scales at session end, as SGLang's FP8 load derives them; x 2 keeps the
+e4m3 bytes and doubles the scales, so after end they are exactly x 2 too.
 """
 
 from __future__ import annotations
@@ -43,14 +44,40 @@ def _bf16_mla_checkpoint(path):
     )
 
 
+def _run_under(version: str, call: str) -> None:
+    """Run `call` (a function of this module, as source) in a process whose SGLang is `version`: the loopback's
+    ranks inherit it, so they run that release's model classes and session-end code, not the venv's 0.5.12."""
+    import subprocess
+    import sys
+
+    from support import replica_harness as harness
+
+    code = f"import sys; sys.path.insert(0, 'tests'); import test_loopback_post_load as t; t.{call}"
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=harness.version_env(version), capture_output=True, text=True,
+        timeout=900, cwd=os.fspath(harness.REPO),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+@pytest.mark.parametrize("version", ["0.5.21", "0.5.23"])
 @pytest.mark.parametrize("weights", ["bf16", "fp8"])
-def test_session_end_rebuilds_mla_derived_tensors_as_sglang_loads_them(tmp_path, weights):
+def test_session_end_rebuilds_mla_derived_tensors_as_sglang_loads_them(tmp_path, weights, version):
+    _run_under(version, f"_mla_session_end({str(tmp_path)!r}, {weights!r}, {version!r})")
+
+
+def _mla_session_end(tmp: str, weights: str, version: str) -> None:
+    """The test's body, in a process of SGLang `version` (asserts raise there)."""
+    import sglang
+
+    assert sglang.__version__ == version
+    tmp_path = __import__("pathlib").Path(tmp)
     if weights == "bf16":
         model = write_tiny_checkpoint(tmp_path / "dsv3", "deepseek_v3", id_encoded=False)
     else:
         model = quantize_checkpoint(_bf16_mla_checkpoint(tmp_path / "dsv3-bf16"), tmp_path / "dsv3-fp8")
     dtype = "float32" if weights == "bf16" else "bfloat16"  # SGLang's FP8 method: bf16 activations and the rest
-    spec = EngineSpec(tp=2, sglang_version="0.5.23", rank_timeout_s=60, dtype=dtype)
+    spec = EngineSpec(tp=2, sglang_version=version, rank_timeout_s=120, dtype=dtype)
     with loopback_engines([spec], str(model)) as engines:
         engine = engines[0]
         loaded = [engine.dump_derived(r) for r in range(2)]  # SGLang's loader, post_load_weights included

@@ -291,3 +291,9 @@ def test_gpu_wheels_sglang_0521_overrides_the_pins_it_changes_and_keeps_the_rest
         "ray==2.60.0",
         "mooncake-transfer-engine-cuda13==0.3.14",
     } <= kept
+
+
+def test_gpu_wheels_nixl_builds_only_nixl_and_its_cuda13_backend(tmp_path):
+    """`--nixl` (verl's nixl engine, BACKEND=nixl on the H200): the shim and its CUDA 13 build, pinned together
+    (the shim 1.5.2 asks for nixl-cu13 1.5.2, which has no CPython 3.12 x86-64 wheel), nothing else."""
+    assert _wheel_specs(tmp_path, "--nixl") == ["nixl==1.5.1", "nixl-cu13==1.5.1"]

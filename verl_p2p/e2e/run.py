@@ -620,7 +620,11 @@ def _summary(results: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="verl-p2p e2e", description=__doc__.splitlines()[0])
     parser.add_argument("--rollout", choices=("sglang", "loopback"), default="loopback")
-    parser.add_argument("--models", default="qwen3,qwen3_moe", help=f"comma list of {', '.join(SIZES['tiny'])} (deepseek_v3: MLA, needs a rollout with sessions)")
+    parser.add_argument(
+        "--models",
+        default="qwen3,qwen3_moe",
+        help=f"comma list of {', '.join(SIZES['tiny'])} (deepseek_v3: MLA, needs a rollout with sessions)",
+    )
     parser.add_argument("--size", choices=tuple(SIZES), default=None, help="default: gpu for sglang, tiny for loopback")
     parser.add_argument("--device", choices=("cuda", "cpu"), default=None, help="trainer device (default by rollout)")
     parser.add_argument("--syncs", type=int, default=3, help="plain syncs before the drills (the first is checked)")

@@ -28,6 +28,11 @@ BUDGET_S=${BUDGET_S:-570}  # whole script, inside the device's 600 s
 mkdir -p "$OUT"
 start=$SECONDS
 left() { echo $((BUDGET_S - (SECONDS - start))); }
+# the parts of one xz'd tar of site/ (scripts/gpu_wheels.sh), in order, unpacked under $SITE_ROOT
+unpack_parts() {
+    cat "$@" | python3 -c 'import sys, tarfile
+tarfile.open(fileobj=sys.stdin.buffer, mode="r|xz").extractall(sys.argv[1], filter="tar")' "$SITE_ROOT"
+}
 
 # NVLink multicast stays off on that machine (NCCL, PyTorch symmetric memory, NVSHMEM): every process below.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -80,13 +85,11 @@ fi
     fi
     if [[ ! -d "$SITE_ROOT/site/verl" ]]; then
         ls -la "$STACK"/part.* || { echo "no stack parts in $STACK (carry scripts/gpu_wheels.sh's parts first)"; exit 2; }
-        cat "$STACK"/part.* | python3 -c 'import sys, tarfile
-tarfile.open(fileobj=sys.stdin.buffer, mode="r|xz").extractall(sys.argv[1], filter="tar")' "$SITE_ROOT" || exit 2
+        unpack_parts "$STACK"/part.* || exit 2
     fi
     # NIXL for BACKEND=nixl (scripts/gpu_wheels.sh --nixl: one part, carried in a call of its own or with a run)
     if compgen -G ".gpu-nixl/part.*" >/dev/null && [[ ! -d "$SITE_ROOT/site/nixl" ]]; then
-        cat .gpu-nixl/part.* | python3 -c 'import sys, tarfile
-tarfile.open(fileobj=sys.stdin.buffer, mode="r|xz").extractall(sys.argv[1], filter="tar")' "$SITE_ROOT" || exit 2
+        unpack_parts .gpu-nixl/part.* || exit 2
     fi
     if [[ "${BACKEND:-p2p}" == nixl ]]; then
         python3 -c 'import nixl._api, nixl._bindings' || { echo "BACKEND=nixl: carry .gpu-nixl/part.aa"; exit 3; }

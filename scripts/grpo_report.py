@@ -153,10 +153,12 @@ def plot(reports: list[dict], path: Path) -> None:
         ax_reward.plot(steps, [s["reward_mean"] for s in r["steps"]], marker="o", label=r["name"])
         if any(isinstance(s["sync_s"], (int, float)) for s in r["steps"]):
             ax_sync.plot(steps, [s["sync_s"] for s in r["steps"]], marker="o", label=f"{r['name']} sync")
-        elif r["syncs"]:  # no per-step sync timer (fully_async): p2p's own seconds of each version
-            versions = [int(x["version"]) for x in r["syncs"] if str(x["version"]).isdigit()]
-            seconds = [x["sync_s"] for x in r["syncs"] if str(x["version"]).isdigit()]
-            ax_sync.plot(versions, seconds, marker="s", label=f"{r['name']} p2p sync (x: version)")
+        elif r["syncs"]:  # no per-step sync timer (fully_async): p2p's own seconds of each numbered version
+            numbered = [x for x in r["syncs"] if str(x["version"]).isdigit()]
+            ax_sync.plot(
+                [int(x["version"]) for x in numbered], [x["sync_s"] for x in numbered], marker="s",
+                label=f"{r['name']} p2p sync (x: version)",
+            )  # fmt: skip
         if any(isinstance(s["paused_s"], (int, float)) for s in r["steps"]):
             ax_sync.plot(steps, [s["paused_s"] for s in r["steps"]], marker="x", ls="--", label=f"{r['name']} paused")
     ax_reward.set(title="mean reward per step", xlabel="step", ylabel="reward")

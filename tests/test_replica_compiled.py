@@ -199,3 +199,79 @@ def test_prepare_push_compiles_and_checks_every_program_before_any_push(moe_bf16
     )
     with pytest.raises(CompiledPlanMismatchError, match=f"parameter {name} of rollout rank 1"):
         bad.prepare_push(slot)
+
+
+def _restacked(sd: dict, swap_middle: bool = False) -> dict:
+    """`sd` with each group of same-shaped tensors moved into one buffer, as the FP8 quantizer returns a batch:
+    the feeds are views at one constant step. `swap_middle`: two middle views of each group trade places, so the
+    first and last addresses still fit one step and only a check of every address finds the break."""
+    groups: dict = {}
+    for name, t in sd.items():
+        groups.setdefault((tuple(t.shape), t.dtype), []).append(name)
+    out = {}
+    for names in groups.values():
+        order = list(names)
+        if swap_middle and len(order) >= 4:
+            order[1], order[2] = order[2], order[1]
+        views = torch.stack([sd[n] for n in order]).unbind(0)
+        out.update(zip(order, views, strict=True))
+    return out
+
+
+@pytest.mark.parametrize("swap_middle", [False, True], ids=["one-step", "swapped-middle"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sources_in_one_buffer_take_one_copy_and_stay_exact(dtype, swap_middle, monkeypatch):
+    from verl_p2p.replica import compiled
+
+    sd, replicas = _build(*CASES["moe-tp2"], *DTYPES[dtype])
+    stacked_feeds = _restacked(sd, swap_middle)
+    taken = []
+    real = compiled.one_source_view
+
+    def counting(b, srcs):
+        view = real(b, srcs)
+        taken.append(view is not None)
+        return view
+
+    monkeypatch.setattr(compiled, "one_source_view", counting)
+    for ref in replicas:
+        ex = CompiledReplica(ref)
+        for name, p in ref.plan.params.items():
+            want, got = _nan_bytes(p), _nan_bytes(p)
+            ref.load(name, {f: sd[f] for f in p.feeds}, want)
+            feeds = {f: stacked_feeds[f] for f in p.feeds}
+            ex.load(name, feeds, got)
+            assert torch.equal(got, want), f"rank {ref.layout.tp_rank} {name}"
+            step = max(p.dtype.itemsize, (p.nbytes // 3) // p.dtype.itemsize * p.dtype.itemsize)
+            chunked = _nan_bytes(p)
+            for off in range(0, p.nbytes, step):  # slot-sized pieces cutting through experts
+                n = min(step, p.nbytes - off)
+                ex.load_chunk(name, feeds, off, chunked[off : off + n])
+            assert torch.equal(chunked, want), f"rank {ref.layout.tp_rank} {name} chunked"
+    if swap_middle:
+        assert taken and not all(taken)  # a batch whose middle is out of step was copied view by view
+    else:
+        assert any(taken)  # the experts' batches took the one-copy path
+
+
+def test_adjacent_separate_tensors_are_not_read_as_one():
+    """Sources one step apart in memory but each in its own storage: no view spans them (torch's bounds check on
+    the first's storage), so they are copied one by one; sources out of step or at one address neither."""
+    import warnings
+
+    from verl_p2p.replica.compiled import one_source_view
+    from verl_p2p.replica.program import CopyBatch
+
+    batch = CopyBatch(("a", "b", "c"), (4,), (1,), (0, 4, 8), 4, None, ())
+    views = list(torch.arange(12, dtype=torch.float32).reshape(3, 4).unbind(0))
+    stacked = one_source_view(batch, views)
+    assert stacked is not None and torch.equal(stacked, torch.stack(views))
+    memory = bytearray(48)
+    with warnings.catch_warnings():  # frombuffer warns that a bytearray is writable
+        warnings.simplefilter("ignore")
+        separate = [torch.frombuffer(memory, dtype=torch.float32, count=4, offset=16 * i) for i in range(3)]
+    assert [t.data_ptr() - separate[0].data_ptr() for t in separate] == [0, 16, 32]
+    assert one_source_view(batch, separate) is None
+    assert one_source_view(batch, [views[0], views[2], views[1]]) is None
+    lone = torch.empty(4)
+    assert one_source_view(batch, [lone, lone, lone]) is None

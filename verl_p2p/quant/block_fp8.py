@@ -104,11 +104,11 @@ def _fused(tensors, chunk, block, names, nonfinite=None) -> list[tuple[torch.Ten
         return None
     q, s, bad = block_fp8_triton.quantize_list([tensors[i] for i in chunk], block, AMAX_FLOOR, FP8_E4M3_MAX)
     if nonfinite is not None:  # refused later, without a wait here
-        nonfinite.append(([names[i] for i in chunk], bad.reshape(len(chunk), -1).sum(dim=1)))
+        nonfinite.append(([names[i] for i in chunk], bad))
     elif bool(bad.any()):  # the reference names the tensor and refuses it
         for i in chunk:
             quantize_block_fp8(tensors[i], block, names[i])
-    pairs = [(q[j], s[j]) for j in range(len(chunk))]
+    pairs = list(zip(q.unbind(0), s.unbind(0), strict=True))  # one call for all the views, not two per tensor
     if _fused_checked["state"] is None:
         same = True
         for i, (qj, sj) in zip(chunk, pairs, strict=True):

@@ -35,7 +35,7 @@ if triton is not None:
         inputs,  # int64 [T]: data pointers of T contiguous [N, K] tensors of one dtype
         q_out,  # e4m3fn [T, N, K]
         scale_out,  # fp32 [T, NB, KB]
-        bad_out,  # int32 [T, NB, KB]: NaN/inf elements per block
+        bad_out,  # int32 [T], zeroed: NaN/inf elements per tensor (each block adds its own)
         N,
         K,
         NB,
@@ -64,14 +64,16 @@ if triton is not None:
         block = (t.to(tl.int64) * NB + bi) * KB + bj
         tl.store(q_out + t.to(tl.int64) * N * K + offs, q.to(tl.float8e4nv), mask=mask)
         tl.store(scale_out + block, scale)
-        tl.store(bad_out + block, tl.sum(bad.to(tl.int32)))
+        tl.atomic_add(bad_out + t, tl.sum(bad.to(tl.int32)))
 
 
 def quantize_list(
     tensors: Sequence[torch.Tensor], block: tuple[int, int], floor: float, fp8_max: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """T same-shaped, same-dtype CUDA tensors [N, K] -> (e4m3fn [T, N, K], fp32 scales [T, NB, KB], NaN/inf count
-    per block [T, NB, KB]); one launch. The caller refuses non-finite inputs (their blocks' scales are garbage)."""
+    per tensor [T]); one launch. The caller refuses non-finite inputs (their blocks' scales are garbage). The counts
+    are summed in the kernel: a push quantizes thousands of expert tensors, and a reduction launch per batch cost
+    more host time than the kernel itself (docs/measurements/bench_convert_fp8_h200_profile_s9.json)."""
     first = tensors[0]
     n, k = first.shape
     bn, bk = block
@@ -83,7 +85,7 @@ def quantize_list(
     pointers = table.to(first.device, non_blocking=True)
     q = torch.empty((len(parts), n, k), dtype=torch.float8_e4m3fn, device=first.device)
     scales = torch.empty((len(parts), nb, kb), dtype=torch.float32, device=first.device)
-    bad = torch.empty((len(parts), nb, kb), dtype=torch.int32, device=first.device)
+    bad = torch.zeros(len(parts), dtype=torch.int32, device=first.device)
     in_dtype = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[first.dtype]
     grid = (len(parts) * nb * kb,)
     _quantize_blocks[grid](

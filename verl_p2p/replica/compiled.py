@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from verl_p2p.errors import P2PError
 from verl_p2p.replica.plan import ParamPlan, WritePlan
-from verl_p2p.replica.program import CopyProgram, NotCompilable, compilable, compile_param
+from verl_p2p.replica.program import CopyBatch, CopyProgram, NotCompilable, compilable, compile_param
 from verl_p2p.replica.stream import CompletenessStager, ReplicaLoadError, _typed_view, check_chunk
 
 logger = logging.getLogger(__name__)
@@ -249,6 +249,10 @@ def run_program(prog: CopyProgram, feeds: Mapping[str, torch.Tensor], out: torch
     base = out.storage_offset()
     for b in prog.copies:
         srcs = [feeds[n] for n in b.hf_names]
+        stacked = one_source_view(b, srcs) if b.dst_step is not None and len(srcs) > 1 else None
+        if stacked is not None:  # one copy for the whole batch
+            out.as_strided(stacked.shape, (b.dst_step,) + b.dst_stride, base + b.dst_offsets[0]).copy_(stacked)
+            continue
         if b.src_offset is not None:
             srcs = [t.as_strided(b.shape, b.src_stride, t.storage_offset() + b.src_offset) for t in srcs]
         if b.dst_step is not None:
@@ -262,6 +266,35 @@ def run_program(prog: CopyProgram, feeds: Mapping[str, torch.Tensor], out: torch
             torch._foreach_copy_(list(dsts), srcs)
     for f in prog.fills:
         out.as_strided(f.shape, f.stride, base + f.offset).fill_(f.value)
+
+
+def one_source_view(b: CopyBatch, srcs: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The batch's sources as one [n, *shape] view, where they lie at one constant step in one storage (a batch
+    of the FP8 quantizer's output; experts exported from one grouped tensor), so the batch is one copy instead of n
+    views and a multi-tensor copy (their host cost was most of an FP8 sync's conversion). None otherwise.
+
+    Every source's address is checked, not only the ends, and the view is bounds-checked by torch against the
+    first source's storage: sources that merely sit side by side in separate allocations are copied one by one."""
+    first = srcs[0]
+    p0, es, n = first.data_ptr(), first.element_size(), len(srcs)
+    step = srcs[1].data_ptr() - p0
+    if step <= 0 or step % es or srcs[-1].data_ptr() - p0 != step * (n - 1):
+        return None
+    whole = b.src_offset is None
+    shape0, dtype0 = first.shape, first.dtype
+    if whole and (tuple(shape0) != b.shape or not first.is_contiguous()):
+        return None
+    for i, t in enumerate(srcs):
+        if t.data_ptr() != p0 + i * step or t.dtype != dtype0:
+            return None
+        if whole and (t.shape != shape0 or not t.is_contiguous()):
+            return None
+    stride = first.stride() if whole else b.src_stride
+    offset = first.storage_offset() + (0 if whole else b.src_offset)
+    try:
+        return first.as_strided((n, *b.shape), (step // es, *stride), offset)
+    except RuntimeError:  # out of the first source's storage: separate allocations
+        return None
 
 
 def synthetic_hf_tensor(

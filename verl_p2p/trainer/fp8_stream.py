@@ -39,7 +39,7 @@ def fp8_targets(planned: PlannedSpecs) -> dict[str, str]:
 
 
 def quantized_stream(
-    stream: Iterable[tuple[str, torch.Tensor]], planned: PlannedSpecs, batch: int = 64, batch_bytes: int = 1 << 29
+    stream: Iterable[tuple[str, torch.Tensor]], planned: PlannedSpecs, batch: int = 256, batch_bytes: int = 1 << 29
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """`stream` with each planned-FP8 weight that arrives in a plain float dtype quantized (weight, then scales).
 

@@ -22,8 +22,36 @@ POST_LOAD = "post_load_weights"  # what SGLang's loader calls on the model after
 SESSIONS_SINCE = "0.5.21"  # first release with /begin_weight_update and /end_weight_update
 
 
+# SGLang model classes p2p cannot plan for, with what stops it (SGLang 0.5.23 sources; the test that pins each stop
+# is named, so a release that lifts one shows there).
+UNSUPPORTED_CLASSES: dict[str, str] = {
+    "DeepseekV4ForCausalLM": (
+        "its write plan cannot be captured on the planning host's meta device: off an accelerator SGLang's rope "
+        "factory builds only DeepSeek-yarn ropes and V4's sliding-window layers (compress ratio 0) have none "
+        "(layers/rotary_embedding/factory.py, get_rope_cpu); its load_weights reads one-element tensors with .item() "
+        "(model.hc_head_scale) and prewarms CUDA mHC kernels; and it reorders compressor.ape in place while loading "
+        "and again in post_load_weights, which p2p's plan recorder does not reproduce "
+        "(tests/test_replica_deepseek_v4.py)"
+    ),
+}
+
+
 class PostLoadWithoutSessionsError(UnsupportedLayoutError):
     """The rollout has no weight-update sessions, and its model needs post-load processing after every update."""
+
+
+class UnsupportedModelClassError(UnsupportedLayoutError):
+    """The rollout runs a model class p2p cannot build a write plan for (`UNSUPPORTED_CLASSES`)."""
+
+
+def refuse_unsupported_class(cls: type) -> None:
+    """Raise UnsupportedModelClassError, before any plan or write, for a class in `UNSUPPORTED_CLASSES`."""
+    why = UNSUPPORTED_CLASSES.get(cls.__name__)
+    if why is not None:
+        raise UnsupportedModelClassError(
+            f"p2p cannot sync SGLang's {cls.__name__}: {why}; nothing was written. Fix: use verl's own weight sync "
+            "for this model (actor_rollout_ref.rollout.checkpoint_engine.backend=nccl)"
+        )
 
 
 def model_class(hf_config: Any, server_args: Mapping[str, Any], layout: RankLayout) -> type:

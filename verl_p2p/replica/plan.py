@@ -331,10 +331,12 @@ def build_meta_model(ctx: RankContext) -> torch.nn.Module:
     from sglang.srt.model_loader.utils import get_model_architecture, set_default_torch_dtype
 
     from verl_p2p.replica.fp8 import block_rule_refusal, rank_quant_config
+    from verl_p2p.replica.model_class import refuse_unsupported_class
 
     with ctx:
         # Importing model modules creates real tensors at module level: do it before entering meta.
-        get_model_architecture(ctx.model_config)
+        cls, _ = get_model_architecture(ctx.model_config)
+        refuse_unsupported_class(cls)
         load_config = LoadConfig(load_format="auto", tp_rank=ctx.layout.tp_rank)
         quant_config = rank_quant_config(ctx.model_config, load_config)
         with block_rule_refusal(ctx.layout), set_default_torch_dtype(ctx.model_config.dtype), torch.device("meta"):

@@ -201,39 +201,43 @@ def test_prepare_push_compiles_and_checks_every_program_before_any_push(moe_bf16
         bad.prepare_push(slot)
 
 
-def _restacked(sd: dict, swap_middle: bool = False) -> dict:
-    """`sd` with each group of same-shaped tensors moved into one buffer, as the FP8 quantizer returns a batch:
-    the feeds are views at one constant step. `swap_middle`: two middle views of each group trade places, so the
-    first and last addresses still fit one step and only a check of every address finds the break."""
+def _restacked(sd: dict, layout: str) -> dict:
+    """`sd` with each group of same-shaped tensors moved into shared buffers, as the FP8 quantizer returns its
+    batches: the feeds are views at one constant step. "one-step": one buffer per group; "two-buffers": each
+    group's tensors split over two buffers at an uneven point (where a quantizer batch ends); "swapped-middle": two
+    middle views trade places, so the first and last addresses still fit one step and only a check of every
+    address finds the break."""
     groups: dict = {}
     for name, t in sd.items():
         groups.setdefault((tuple(t.shape), t.dtype), []).append(name)
     out = {}
     for names in groups.values():
         order = list(names)
-        if swap_middle and len(order) >= 4:
+        if layout == "swapped-middle" and len(order) >= 4:
             order[1], order[2] = order[2], order[1]
-        views = torch.stack([sd[n] for n in order]).unbind(0)
-        out.update(zip(order, views, strict=True))
+        cut = len(order) * 2 // 5 if layout == "two-buffers" and len(order) >= 4 else len(order)
+        for part in (order[:cut], order[cut:]):
+            if part:
+                out.update(zip(part, torch.stack([sd[n] for n in part]).unbind(0), strict=True))
     return out
 
 
-@pytest.mark.parametrize("swap_middle", [False, True], ids=["one-step", "swapped-middle"])
+@pytest.mark.parametrize("layout", ["one-step", "two-buffers", "swapped-middle"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_sources_in_one_buffer_take_one_copy_and_stay_exact(dtype, swap_middle, monkeypatch):
+def test_sources_in_shared_buffers_take_one_copy_per_run_and_stay_exact(dtype, layout, monkeypatch):
     from verl_p2p.replica import compiled
 
     sd, replicas = _build(*CASES["moe-tp2"], *DTYPES[dtype])
-    stacked_feeds = _restacked(sd, swap_middle)
-    taken = []
-    real = compiled.one_source_view
+    stacked_feeds = _restacked(sd, layout)
+    runs = []
+    real = compiled.stacked_runs
 
     def counting(b, srcs):
-        view = real(b, srcs)
-        taken.append(view is not None)
-        return view
+        found = real(b, srcs)
+        runs.append((len(srcs), [v.shape[0] for _, v in found]))
+        return found
 
-    monkeypatch.setattr(compiled, "one_source_view", counting)
+    monkeypatch.setattr(compiled, "stacked_runs", counting)
     for ref in replicas:
         ex = CompiledReplica(ref)
         for name, p in ref.plan.params.items():
@@ -248,30 +252,35 @@ def test_sources_in_one_buffer_take_one_copy_and_stay_exact(dtype, swap_middle, 
                 n = min(step, p.nbytes - off)
                 ex.load_chunk(name, feeds, off, chunked[off : off + n])
             assert torch.equal(chunked, want), f"rank {ref.layout.tp_rank} {name} chunked"
-    if swap_middle:
-        assert taken and not all(taken)  # a batch whose middle is out of step was copied view by view
+    whole_batches = [n for n, lengths in runs if lengths == [n]]
+    split_batches = [n for n, lengths in runs if lengths and sum(lengths) < n or len(lengths) > 1]
+    if layout == "one-step":
+        assert whole_batches  # the experts' batches took one copy each
+    elif layout == "two-buffers":
+        assert split_batches  # a batch spanning both buffers: a run in each
     else:
-        assert any(taken)  # the experts' batches took the one-copy path
+        assert split_batches  # a batch with its middle out of step: runs around the break, the rest one by one
 
 
 def test_adjacent_separate_tensors_are_not_read_as_one():
-    """Sources one step apart in memory but each in its own storage: no view spans them (torch's bounds check on
-    the first's storage), so they are copied one by one; sources out of step or at one address neither."""
+    """Sources one step apart in memory but each in its own storage: no view spans them, so they are copied one
+    by one; a source out of step ends its run; sources all at one address make none."""
     import warnings
 
-    from verl_p2p.replica.compiled import one_source_view
+    from verl_p2p.replica.compiled import stacked_runs
     from verl_p2p.replica.program import CopyBatch
 
     batch = CopyBatch(("a", "b", "c"), (4,), (1,), (0, 4, 8), 4, None, ())
     views = list(torch.arange(12, dtype=torch.float32).reshape(3, 4).unbind(0))
-    stacked = one_source_view(batch, views)
-    assert stacked is not None and torch.equal(stacked, torch.stack(views))
+    (start, stacked), *more = stacked_runs(batch, views)
+    assert start == 0 and not more and torch.equal(stacked, torch.stack(views))
     memory = bytearray(48)
     with warnings.catch_warnings():  # frombuffer warns that a bytearray is writable
         warnings.simplefilter("ignore")
         separate = [torch.frombuffer(memory, dtype=torch.float32, count=4, offset=16 * i) for i in range(3)]
     assert [t.data_ptr() - separate[0].data_ptr() for t in separate] == [0, 16, 32]
-    assert one_source_view(batch, separate) is None
-    assert one_source_view(batch, [views[0], views[2], views[1]]) is None
+    assert stacked_runs(batch, separate) == []
+    (start, pair), *more = stacked_runs(batch, [views[0], views[2], views[1]])  # steps +2 rows, then -1 row
+    assert start == 0 and not more and torch.equal(pair, torch.stack([views[0], views[2]]))  # the last: alone
     lone = torch.empty(4)
-    assert one_source_view(batch, [lone, lone, lone]) is None
+    assert stacked_runs(batch, [lone, lone, lone]) == []

@@ -249,17 +249,24 @@ def run_program(prog: CopyProgram, feeds: Mapping[str, torch.Tensor], out: torch
     base = out.storage_offset()
     for b in prog.copies:
         srcs = [feeds[n] for n in b.hf_names]
-        stacked = one_source_view(b, srcs) if b.dst_step is not None and len(srcs) > 1 else None
-        if stacked is not None:  # one copy for the whole batch
-            out.as_strided(stacked.shape, (b.dst_step,) + b.dst_stride, base + b.dst_offsets[0]).copy_(stacked)
-            continue
+        offsets = b.dst_offsets
+        if b.dst_step is not None and len(srcs) > 1:
+            runs = stacked_runs(b, srcs)
+            for start, view in runs:  # one copy per run of sources lying at one step in one storage
+                out.as_strided(view.shape, (b.dst_step, *b.dst_stride), base + offsets[start]).copy_(view)
+            if runs:
+                covered = {i for start, view in runs for i in range(start, start + view.shape[0])}
+                rest = [i for i in range(len(srcs)) if i not in covered]
+                if not rest:
+                    continue
+                srcs, offsets = [srcs[i] for i in rest], [offsets[i] for i in rest]
         if b.src_offset is not None:
             srcs = [t.as_strided(b.shape, b.src_stride, t.storage_offset() + b.src_offset) for t in srcs]
-        if b.dst_step is not None:
+        if b.dst_step is not None and offsets is b.dst_offsets:
             dsts = out.as_strided((len(srcs),) + b.shape, (b.dst_step,) + b.dst_stride, base + b.dst_offsets[0])
             dsts = dsts.unbind(0)
         else:
-            dsts = [out.as_strided(b.shape, b.dst_stride, base + o) for o in b.dst_offsets]
+            dsts = [out.as_strided(b.shape, b.dst_stride, base + o) for o in offsets]
         if len(srcs) == 1:
             dsts[0].copy_(srcs[0])
         else:
@@ -268,32 +275,49 @@ def run_program(prog: CopyProgram, feeds: Mapping[str, torch.Tensor], out: torch
         out.as_strided(f.shape, f.stride, base + f.offset).fill_(f.value)
 
 
-def one_source_view(b: CopyBatch, srcs: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """The batch's sources as one [n, *shape] view, where they lie at one constant step in one storage (a batch
-    of the FP8 quantizer's output; experts exported from one grouped tensor), so the batch is one copy instead of n
-    views and a multi-tensor copy (their host cost was most of an FP8 sync's conversion). None otherwise.
+def stacked_runs(b: CopyBatch, srcs: Sequence[torch.Tensor]) -> list[tuple[int, torch.Tensor]]:
+    """Runs of at least two consecutive sources that lie at one constant step in one storage, each as one
+    [length, *shape] view: (first index, view). A batch of the FP8 quantizer's output is such a run (or a few,
+    where the quantizer's batches end), and so are experts exported from one grouped tensor; each run is one copy
+    instead of a view per source and a multi-tensor copy, whose host cost was most of an FP8 conversion
+    (docs/measurements/bench_convert_fp8_h200_profile_s9.json).
 
-    Every source's address is checked, not only the ends, and the view is bounds-checked by torch against the
-    first source's storage: sources that merely sit side by side in separate allocations are copied one by one."""
-    first = srcs[0]
-    p0, es, n = first.data_ptr(), first.element_size(), len(srcs)
-    step = srcs[1].data_ptr() - p0
-    if step <= 0 or step % es or srcs[-1].data_ptr() - p0 != step * (n - 1):
-        return None
+    Every source's address and dtype is checked (and, for whole sources, its shape and contiguity), the run's
+    first and last sources must share a storage, and the view is bounds-checked by torch against it: sources that
+    merely sit side by side in separate allocations are copied one by one."""
     whole = b.src_offset is None
-    shape0, dtype0 = first.shape, first.dtype
-    if whole and (tuple(shape0) != b.shape or not first.is_contiguous()):
+    first = srcs[0]
+    dtype, shape = first.dtype, first.shape
+    if whole and tuple(shape) != b.shape:
+        return []
+    ptrs = []
+    for t in srcs:
+        if t.dtype != dtype or (whole and (t.shape != shape or not t.is_contiguous())):
+            return []
+        ptrs.append(t.data_ptr())
+    es, n, runs, i = first.element_size(), len(srcs), [], 0
+    while i < n - 1:
+        step, j = ptrs[i + 1] - ptrs[i], i + 1
+        while j + 1 < n and ptrs[j + 1] - ptrs[j] == step:
+            j += 1
+        view = _run_view(b, srcs[i], srcs[j], j - i + 1, step, es) if step > 0 and step % es == 0 else None
+        if view is not None:
+            runs.append((i, view))
+            i = j + 1
+        else:
+            i += 1
+    return runs
+
+
+def _run_view(b: CopyBatch, head: torch.Tensor, tail: torch.Tensor, length: int, step: int, es: int):
+    """`length` sources from `head` to `tail` at `step` bytes as one view of head's storage, or None."""
+    if head.untyped_storage().data_ptr() != tail.untyped_storage().data_ptr():
         return None
-    for i, t in enumerate(srcs):
-        if t.data_ptr() != p0 + i * step or t.dtype != dtype0:
-            return None
-        if whole and (t.shape != shape0 or not t.is_contiguous()):
-            return None
-    stride = first.stride() if whole else b.src_stride
-    offset = first.storage_offset() + (0 if whole else b.src_offset)
+    stride = head.stride() if b.src_offset is None else b.src_stride
+    offset = head.storage_offset() + (0 if b.src_offset is None else b.src_offset)
     try:
-        return first.as_strided((n, *b.shape), (step // es, *stride), offset)
-    except RuntimeError:  # out of the first source's storage: separate allocations
+        return head.as_strided((length, *b.shape), (step // es, *stride), offset)
+    except RuntimeError:  # beyond head's storage
         return None
 
 

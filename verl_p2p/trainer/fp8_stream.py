@@ -22,13 +22,17 @@ def fp8_targets(planned: PlannedSpecs) -> dict[str, str]:
     """HF weight name -> its scale name, for every planned e4m3fn weight; refuses a planned FP8 weight whose
     scales are missing or not 128x128 blocks (a checkpoint the quantizer cannot reproduce)."""
     out: dict[str, str] = {}
-    for name, (shape, dtype) in planned.items():
-        if dtype != torch.float8_e4m3fn or not name.endswith("weight"):
+    fp8, fp32 = torch.float8_e4m3fn, torch.float32
+    blocks: dict[tuple[int, ...], tuple[int, ...]] = {}  # weight shape -> its scales' shape (a model has few shapes)
+    for name, (shape, dtype) in planned.items():  # once per push, over every planned tensor: kept lean
+        if dtype != fp8 or not name.endswith("weight"):
             continue
         scale = scale_name(name)
-        want = tuple(-(-d // b) for d, b in zip(shape[-2:], BLOCK, strict=True))
+        want = blocks.get(shape)
+        if want is None:
+            want = blocks[shape] = tuple(-(-d // b) for d, b in zip(shape[-2:], BLOCK, strict=True))
         got = planned.get(scale)
-        if got is None or tuple(got[0][-2:]) != want or got[1] != torch.float32:
+        if got is None or got[1] != fp32 or tuple(got[0][-2:]) != want:
             raise QuantizationError(
                 f"the rollout's checkpoint stores {name!r} {tuple(shape)} as float8_e4m3fn with scales "
                 f"{scale!r}={got}, not fp32 {want} (one per 128x128 block): the trainer's quantizer cannot "

@@ -24,6 +24,8 @@ SUPPORTED_MODEL_TYPES = (
     "glm4_moe",
     "glm4_moe_lite",
     "qwen3_next",
+    "qwen3_5_text",
+    "qwen3_5_moe_text",
 )
 
 
@@ -42,8 +44,8 @@ def hf_tensor_specs(cfg: Mapping[str, Any]) -> list[HFTensorSpec]:
         return list(_deepseek_v3(cfg, config_dtype(cfg)))
     if model_type == "glm4_moe":
         return list(_glm4_moe(cfg, config_dtype(cfg)))
-    if model_type == "qwen3_next":
-        return list(_qwen3_next(cfg, config_dtype(cfg)))
+    if model_type in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"):
+        return list(_gated_delta_net(cfg, config_dtype(cfg)))
     raise ValueError(
         f"no tensor list for model_type={model_type!r} (known: {', '.join(SUPPORTED_MODEL_TYPES)}); "
         "point at a checkpoint directory with *.safetensors instead, whose headers list the tensors"
@@ -202,14 +204,17 @@ def pp_stage_of(hf_name: str, num_layers: int, pp: int) -> int:
     return layer // (num_layers // pp)
 
 
-def _qwen3_next(cfg: Mapping[str, Any], dtype: str) -> Iterator[HFTensorSpec]:
-    """Qwen3-Next: gated-delta-net linear attention, full (gated) attention every `full_attention_interval`-th
-    layer, routed experts with one gated shared expert on every layer; its multi-token-prediction layer left out."""
+def _gated_delta_net(cfg: Mapping[str, Any], dtype: str) -> Iterator[HFTensorSpec]:
+    """Qwen3-Next and the Qwen3.5 text models: gated-delta-net linear attention, full (gated) attention every
+    `full_attention_interval`-th layer; Qwen3-Next and Qwen3.5-MoE have routed experts with one gated shared expert
+    on every layer, dense Qwen3.5 a plain MLP. Qwen3-Next's checkpoints fuse the linear attention's input
+    projections (in_proj_qkvz, in_proj_ba), Qwen3.5's keep them apart. The multi-token-prediction layer left out."""
     h, vocab = cfg["hidden_size"], cfg["vocab_size"]
     heads, kv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     k_heads, v_heads = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
     key_dim, value_dim = k_heads * cfg["linear_key_head_dim"], v_heads * cfg["linear_value_head_dim"]
-    experts, mi, si = cfg["num_experts"], cfg["moe_intermediate_size"], cfg["shared_expert_intermediate_size"]
+    fused_in_proj = cfg["model_type"] == "qwen3_next"
+    moe = cfg["model_type"] != "qwen3_5_text"
     interval = cfg["full_attention_interval"]
     yield "model.embed_tokens.weight", (vocab, h), dtype
     for i in range(cfg["num_hidden_layers"]):
@@ -223,14 +228,27 @@ def _qwen3_next(cfg: Mapping[str, Any], dtype: str) -> Iterator[HFTensorSpec]:
             yield f"{p}.self_attn.k_norm.weight", (hd,), dtype
             yield f"{p}.self_attn.o_proj.weight", (h, heads * hd), dtype
         else:
-            yield f"{p}.linear_attn.in_proj_qkvz.weight", (2 * key_dim + 2 * value_dim, h), dtype
-            yield f"{p}.linear_attn.in_proj_ba.weight", (2 * v_heads, h), dtype
+            if fused_in_proj:
+                yield f"{p}.linear_attn.in_proj_qkvz.weight", (2 * key_dim + 2 * value_dim, h), dtype
+                yield f"{p}.linear_attn.in_proj_ba.weight", (2 * v_heads, h), dtype
+            else:
+                yield f"{p}.linear_attn.in_proj_qkv.weight", (2 * key_dim + value_dim, h), dtype
+                yield f"{p}.linear_attn.in_proj_z.weight", (value_dim, h), dtype
+                yield f"{p}.linear_attn.in_proj_b.weight", (v_heads, h), dtype
+                yield f"{p}.linear_attn.in_proj_a.weight", (v_heads, h), dtype
             yield f"{p}.linear_attn.conv1d.weight", (2 * key_dim + value_dim, 1, cfg["linear_conv_kernel_dim"]), dtype
             yield f"{p}.linear_attn.dt_bias", (v_heads,), dtype
             yield f"{p}.linear_attn.A_log", (v_heads,), dtype
             yield f"{p}.linear_attn.norm.weight", (cfg["linear_value_head_dim"],), dtype
             yield f"{p}.linear_attn.out_proj.weight", (h, value_dim), dtype
         yield f"{p}.post_attention_layernorm.weight", (h,), dtype
+        if not moe:
+            i_size = cfg["intermediate_size"]
+            yield f"{p}.mlp.gate_proj.weight", (i_size, h), dtype
+            yield f"{p}.mlp.up_proj.weight", (i_size, h), dtype
+            yield f"{p}.mlp.down_proj.weight", (h, i_size), dtype
+            continue
+        experts, mi, si = cfg["num_experts"], cfg["moe_intermediate_size"], cfg["shared_expert_intermediate_size"]
         yield f"{p}.mlp.gate.weight", (experts, h), dtype
         for e in range(experts):
             yield f"{p}.mlp.experts.{e}.gate_proj.weight", (mi, h), dtype

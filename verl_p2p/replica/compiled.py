@@ -249,20 +249,19 @@ def run_program(prog: CopyProgram, feeds: Mapping[str, torch.Tensor], out: torch
     base = out.storage_offset()
     for b in prog.copies:
         srcs = [feeds[n] for n in b.hf_names]
-        offsets = b.dst_offsets
-        if b.dst_step is not None and len(srcs) > 1:
-            runs = stacked_runs(b, srcs)
+        offsets, all_of_batch = b.dst_offsets, True
+        runs = stacked_runs(b, srcs) if b.dst_step is not None and len(srcs) > 1 else []
+        if runs:
             for start, view in runs:  # one copy per run of sources lying at one step in one storage
                 out.as_strided(view.shape, (b.dst_step, *b.dst_stride), base + offsets[start]).copy_(view)
-            if runs:
-                covered = {i for start, view in runs for i in range(start, start + view.shape[0])}
-                rest = [i for i in range(len(srcs)) if i not in covered]
-                if not rest:
-                    continue
-                srcs, offsets = [srcs[i] for i in rest], [offsets[i] for i in rest]
+            covered = {i for start, view in runs for i in range(start, start + view.shape[0])}
+            rest = [i for i in range(len(srcs)) if i not in covered]
+            if not rest:
+                continue
+            srcs, offsets, all_of_batch = [srcs[i] for i in rest], [offsets[i] for i in rest], False
         if b.src_offset is not None:
             srcs = [t.as_strided(b.shape, b.src_stride, t.storage_offset() + b.src_offset) for t in srcs]
-        if b.dst_step is not None and offsets is b.dst_offsets:
+        if b.dst_step is not None and all_of_batch:
             dsts = out.as_strided((len(srcs),) + b.shape, (b.dst_step,) + b.dst_stride, base + b.dst_offsets[0])
             dsts = dsts.unbind(0)
         else:

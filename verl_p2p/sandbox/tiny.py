@@ -27,6 +27,8 @@ ARCHS = (
     "glm4_moe",
     "glm4_moe_lite",
     "qwen3_next",
+    "qwen3_5",
+    "qwen3_5_moe",
 )
 
 _BASE = dict(
@@ -152,6 +154,47 @@ _QWEN3_NEXT = dict(
     attention_bias=False,
 )
 
+# Qwen3.5's text models (SGLang configs/qwen3_5.py: Qwen3_5TextConfig and Qwen3_5MoeTextConfig, Qwen3NextConfig
+# subclasses) at tiny sizes: linear and full attention alternating, gated attention, and the rope_parameters with an
+# mrope_section the published configs carry (an empty rope config stops SGLang's rope factory).
+_QWEN3_5 = dict(
+    architectures=["Qwen3_5ForCausalLM"],
+    model_type="qwen3_5_text",
+    num_hidden_layers=4,
+    full_attention_interval=2,
+    layer_types=["linear_attention", "full_attention"] * 2,
+    head_dim=32,
+    partial_rotary_factor=0.25,
+    rope_parameters=dict(
+        rope_type="default",
+        rope_theta=10000.0,
+        partial_rotary_factor=0.25,
+        mrope_section=[2, 1, 1],
+        mrope_interleaved=True,
+    ),
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+    attn_output_gate=True,
+    hidden_act="silu",
+    attention_bias=False,
+    torch_dtype="bfloat16",
+)
+_QWEN3_5_MOE = dict(
+    _QWEN3_5,
+    architectures=["Qwen3_5MoeForCausalLM"],
+    model_type="qwen3_5_moe_text",
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=32,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    norm_topk_prob=True,
+)
+
 
 def tiny_config_dict(arch: str, **overrides) -> dict:
     """The config.json content of a tiny model of `arch`; `overrides` replace any field."""
@@ -178,6 +221,10 @@ def tiny_config_dict(arch: str, **overrides) -> dict:
         cfg.update(_GLM4_MOE_LITE)
     elif arch == "qwen3_next":
         cfg.update(_QWEN3_NEXT)
+    elif arch == "qwen3_5":
+        cfg.update(_QWEN3_5)
+    elif arch == "qwen3_5_moe":
+        cfg.update(_QWEN3_5_MOE)
     else:
         cfg.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", mlp_only_layers=[], **_MOE)
     cfg.update(overrides)

@@ -34,7 +34,8 @@ while (($#)); do
     esac
     shift
 done
-# Modules the e2e harness needs on both sides: the rollout server, the transfer engine, the trainer.
+# Modules the e2e harness needs on both sides: the rollout server, the transfer engine, the trainer. Megatron-Bridge
+# is imported as p2p's trainer imports it, with verl_p2p.sandbox's transformer_engine stub (TE does not travel).
 imports=(torch triton sglang sgl_kernel flashinfer transformers mooncake.engine ray verl megatron.core
     megatron.bridge)
 
@@ -101,6 +102,10 @@ if ((!dry)); then
 import importlib, importlib.metadata as md, sys, time
 failed = []
 for name in sys.argv[1:]:
+    if name == "megatron.bridge":  # imports transformer_engine at module level: as the trainer does, TE stubbed
+        from verl_p2p.sandbox.cpu_megatron import install_te_stub
+
+        install_te_stub()
     t0 = time.perf_counter()
     try:
         mod = importlib.import_module(name)

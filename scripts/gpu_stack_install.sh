@@ -36,8 +36,10 @@ while (($#)); do
 done
 # Modules the e2e harness needs on both sides: the rollout server, the transfer engine, the trainer. Megatron-Bridge
 # is imported as p2p's trainer imports it, with verl_p2p.sandbox's transformer_engine stub (TE does not travel).
+# SGLang's model modules for the MLA / GLM families: SGLang skips a module that fails to import and serves the
+# architecture through its Transformers backend, so a missing kernel package shows only here.
 imports=(torch triton sglang sgl_kernel flashinfer transformers mooncake.engine ray verl megatron.core
-    megatron.bridge)
+    megatron.bridge deep_gemm sglang.srt.models.deepseek_v2 sglang.srt.models.glm4_moe)
 
 run() {  # print, and run unless --dry-run
     echo "+ $*"

@@ -93,8 +93,10 @@ energon=(megatron-energon==7.4.1 multi-storage-client==1.3.1 webdataset==1.0.2 b
 # installed, and the device's 0.26 is built for torch 2.11.
 torch_0521=(torch==2.13.0 triton==3.7.1 nvidia-cudnn-cu13==9.20.0.48 nvidia-nccl-cu13==2.29.7 torchvision==0.28.0)
 # The server and its pins; the rest of its needs are those of 0.5.12 above (same names, same versions).
+# sgl-deep-gemm: without it SGLang's deepseek_v2 / glm4_moe / kimi model modules fail to import and the server
+# silently serves those architectures through its generic Transformers backend instead.
 sglang_0521=(sglang==0.5.21 sglang-kernel==0.4.7 flashinfer-python==0.6.18 xgrammar==0.2.7 transformers==5.12.1
-    tokenizers==0.22.2 apache-tvm-ffi==0.1.11 compressed-tensors==0.18.0)
+    tokenizers==0.22.2 apache-tvm-ffi==0.1.11 compressed-tensors==0.18.0 sgl-deep-gemm==0.2.0)
 
 # Members left out of a wheel (zip -d, no recompression): never loaded on the device's run. sglang-kernel: the triton
 # attention path never loads FlashAttention-3 (flash_ops, 1 GiB unpacked), FlashMLA, InfLLM (built for CPython 3.10)

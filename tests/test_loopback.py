@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -13,6 +14,7 @@ import pytest
 import requests
 import torch
 
+from verl_p2p.e2e.rollouts import checksums_of
 from verl_p2p.loopback.checker import CheckFailed, Placement, WeightChecker
 from verl_p2p.loopback.control import ControlContext, ThreadedServer, create_app
 from verl_p2p.loopback.engine import EngineSpec, free_port, loopback_engines
@@ -20,6 +22,7 @@ from verl_p2p.loopback.features import Features, parse_version
 from verl_p2p.loopback.lifecycle import Lifecycle, Refused
 from verl_p2p.planning.layout import layout_from_server_args
 from verl_p2p.planning.targets import RemoteRankInfo
+from verl_p2p.rollout.client import SGLangClient
 from verl_p2p.sandbox.tiny import write_tiny_checkpoint
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
@@ -45,6 +48,8 @@ def test_features_follow_the_reported_version():
     assert not old.weight_update_session and new.weight_update_session
     assert not old.checker_skip_tensor_list and new.checker_skip_tensor_list
     assert not old.weight_version_route and not new.weight_version_route and Features.of("0.5.5").weight_version_route
+    # SGLang 0.5.21's io_struct.ChecksumInfo: parallelism_info became a list (target, then draft roles)
+    assert not Features.of("0.5.20").checksum_roles_list and Features.of("0.5.21").checksum_roles_list
     with pytest.raises(ValueError):
         Features.of("latest")
 
@@ -388,7 +393,14 @@ def test_weights_checker_sees_resets_restores_and_flipped_bytes(engine, http, mo
 
     checksum = check("checksum").json()
     assert checksum["success"] and len(checksum["ranks"]) == 2 and "per_engine_checksum" in checksum
-    assert checksum["ranks"][1]["parallelism_info"]["tp_rank"] == 1
+    # As in SGLang 0.5.21+: parallelism_info is a list, one entry per runner role
+    assert [(i["role"], i["tp_rank"]) for i in checksum["ranks"][1]["parallelism_info"]] == [("target", 1)]
+    # the e2e's reader takes both shapes (a dict before 0.5.21)
+    both = asyncio.run(checksums_of("loopback", SGLangClient(engine.url, api_key=API_KEY)))
+    assert sorted({k.split(":")[0] for k in both}) == ["tp0", "tp1"]
+    assert both == {
+        f"tp{r['parallelism_info'][0]['tp_rank']}:{n}": v for r in checksum["ranks"] for n, v in r["checksums"].items()
+    }
 
 
 @pytest.mark.slow

@@ -22,8 +22,12 @@ from verl_p2p.errors import P2PError
 CONF = Path(__file__).resolve().parents[2] / "conf" / "p2p" / "default.yaml"
 
 # What the H200 image's SGLang 0.5.12 set runs with (FlashAttention-3 / FlashMLA are not part of it), and no
-# tokenizer: requests carry token ids.
+# tokenizer: requests carry token ids. A small KV pool: from 0.5.21 SGLang sizes it from the GPU memory still free
+# after its weights load, and refuses to start when that fell below its share, which is what another server's pool
+# allocated meanwhile does on a shared GPU (the e2e starts every server at once).
 SGLANG_GPU_FLAGS = (
+    "--max-total-tokens",
+    "65536",
     "--skip-tokenizer-init",
     "--attention-backend",
     "triton",
@@ -79,7 +83,8 @@ async def checksums_of(name: str, client: Any) -> dict[str, str]:
     answer = await client.weights_checker("checksum")
     out = {}
     for rank in answer.get("ranks") or []:
-        tp = rank["parallelism_info"]["tp_rank"]
+        info = rank["parallelism_info"]  # one dict; from SGLang 0.5.21 a list, one entry per runner role
+        tp = (info[0] if isinstance(info, list) else info)["tp_rank"]
         out.update({f"tp{tp}:{tensor}": value for tensor, value in rank["checksums"].items()})
     if not out:
         raise P2PError(f"{name}: weights_checker checksum returned no checksums: {answer}")

@@ -319,6 +319,10 @@ def create_app(ctx: ControlContext) -> FastAPI:
                     for p in payloads:
                         h.update(p["per_gpu_checksum"].encode())
                     answer["per_engine_checksum"] = h.hexdigest()
+                if features.checksum_roles_list:  # one entry per runner role; the loopback runs the target only
+                    payloads = [
+                        {**p, "parallelism_info": [{"role": "target", **p["parallelism_info"]}]} for p in payloads
+                    ]
                 answer["ranks"] = payloads
             return finish(request, body, JSONResponse(answer, status_code=200 if success else 400), message)
 

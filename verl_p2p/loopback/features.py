@@ -3,7 +3,8 @@
 The loopback imitates a release it is told to be, so here (and only here) behaviour follows the version
 string. Cut-offs read from the sources of every release 0.5.12 .. 0.5.23 (docs/protocol.md): begin/end
 weight-update sessions, the checker's `skip_tensor_list` / `selector`, and a rank dropping its snapshot
-after a compare that passed, from 0.5.21; `allow_quant_error` from 0.5.15; per-GPU / per-engine checksums
+after a compare that passed, and checksum ranks whose `parallelism_info` is a list (one entry per
+runner role: the target, then any draft), from 0.5.21; `allow_quant_error` from 0.5.15; per-GPU / per-engine checksums
 from 0.5.13. `/weight_version` answers 404 ("deprecated, use /model_info") from 0.5.12 and is gone from 0.5.21.
 """
 
@@ -39,6 +40,7 @@ class Features:
     weight_version_route: bool  # GET /weight_version answers the version (else 404, read /model_info)
     compare_drops_snapshot: bool  # per rank, after a compare that passed on that rank
     checksum_per_gpu: bool  # checksum answers carry per_gpu_checksum / per_engine_checksum
+    checksum_roles_list: bool  # a checksum rank's parallelism_info is a list of role entries (else one dict)
 
     @classmethod
     def of(cls, version: str) -> Features:
@@ -51,4 +53,5 @@ class Features:
             weight_version_route=v < (0, 5, 12),
             compare_drops_snapshot=v >= (0, 5, 21),
             checksum_per_gpu=v >= (0, 5, 13),
+            checksum_roles_list=v >= (0, 5, 21),
         )

@@ -268,6 +268,8 @@ def rank_info_cases() -> list[Case]:
         del info[1][_nth(info, dropped)]
 
     cases.append(Case("missing param", _set_rank(1, drop), "is not published by the rollout"))
+    # the fix names the one cause a user cannot see in the config: SGLang's silent Transformers-backend fallback
+    cases.append(Case("missing param, fix names the fallback", _set_rank(0, drop), "generic Transformers backend"))
 
     def rename(info: list[Any]) -> None:
         name = _nth(info, renamed)

@@ -29,7 +29,10 @@ logger = logging.getLogger(__name__)
 _MISMATCH_FIX = (
     "the rollout and the trainer disagree on the model (architecture/config), the dtype or the parallel layout: "
     "check both load the same checkpoint with the same dtype and that the rollout's server args "
-    "(tp/ep/dp-attention) are the ones p2p connected with (reconnect after a rollout restart)"
+    "(tp/ep/dp-attention) are the ones p2p connected with (reconnect after a rollout restart); names the "
+    "rollout does not publish at all can also mean it serves the model through SGLang's generic Transformers "
+    "backend because its own model module failed to import (its log: 'Ignore import error when loading "
+    "sglang.srt.models.<module>', e.g. No module named 'deep_gemm': install the kernel package SGLang pins)"
 )
 
 

@@ -183,3 +183,34 @@ def test_rollout_model_path_option_is_validated():
     assert P2PConfig().rollout_model_path is None
     with pytest.raises(P2PConfigError, match=r"rollout_model_path='' \(an HF checkpoint directory, or null\)"):
         P2PConfig.from_mapping({"rollout_model_path": ""})
+
+
+def test_plan_fp8_targets_are_computed_once_per_plan_and_dropped_with_it(monkeypatch):
+    """Every push asks for the FP8 targets of its plans; they are walked once per plan object (a plan is
+    immutable) and forgotten when the plan is, and a plan that takes no weak reference is walked each time."""
+    import gc
+
+    import verl_p2p.trainer.fp8_stream as fs
+    from verl_p2p.replica.plan import WritePlan
+
+    scale = "model.layers.0.self_attn.q_proj.weight_scale_inv"
+    specs = {W: ((256, 130), torch.float8_e4m3fn), scale: ((2, 2), torch.float32)}
+    walks = []
+    real = fs.fp8_targets
+    monkeypatch.setattr(fs, "fp8_targets", lambda planned: walks.append(1) or real(planned))
+    plan = WritePlan(params={}, hf_specs=specs)
+    first = fs.plan_fp8_targets([plan])
+    assert first == {W: scale} == fs.plan_fp8_targets([plan])
+    assert len(walks) == 1
+    key = id(plan)
+    del plan
+    gc.collect()
+    assert key not in fs._PLAN_TARGETS
+
+    class Slotted:
+        __slots__ = ("hf_specs",)
+
+    bare = Slotted()
+    bare.hf_specs = specs
+    assert fs.plan_fp8_targets([bare]) == first == fs.plan_fp8_targets([bare])
+    assert len(walks) == 3

@@ -284,3 +284,32 @@ def test_adjacent_separate_tensors_are_not_read_as_one():
     assert start == 0 and not more and torch.equal(pair, torch.stack([views[0], views[2]]))  # the last: alone
     lone = torch.empty(4)
     assert stacked_runs(batch, [lone, lone, lone]) == []
+
+
+def test_sources_of_mixed_dtypes_or_shapes_make_no_run():
+    """A run is one view of one dtype and shape: one source of another dtype (or shape) makes none."""
+    from verl_p2p.replica.compiled import stacked_runs
+    from verl_p2p.replica.program import CopyBatch
+
+    batch = CopyBatch(("a", "b", "c"), (4,), (1,), (0, 4, 8), 4, None, ())
+    views = list(torch.arange(12, dtype=torch.float32).reshape(3, 4).unbind(0))
+    assert stacked_runs(batch, [views[0], views[1].view(torch.int32), views[2]]) == []
+    assert stacked_runs(batch, [views[0], views[1], torch.zeros(2, 2)]) == []
+
+
+def test_missing_or_misshapen_feeds_are_refused_naming_the_tensor(moe_bf16):
+    """The feed checks (expected shapes cached per program) still name what is wrong, on every call."""
+    from verl_p2p.replica.stream import ReplicaLoadError
+
+    sd, (ref,) = moe_bf16
+    ex = CompiledReplica(ref)
+    name, p = next((n, p) for n, p in ref.plan.params.items() if len(p.feeds) > 1)
+    feeds = {f: sd[f] for f in p.feeds}
+    dst = torch.empty(p.nbytes, dtype=torch.uint8)
+    ex.load(name, feeds, dst)  # caches the program's expected shapes
+    gone = p.feeds[-1]
+    with pytest.raises(ReplicaLoadError, match=f"needs HF tensor {gone}, which was not given"):
+        ex.load(name, {f: t for f, t in feeds.items() if f != gone}, dst)
+    bent = {**feeds, gone: feeds[gone].reshape(-1)}
+    with pytest.raises(ReplicaLoadError, match=f"HF tensor {gone} has shape .* the plan was built for"):
+        ex.load(name, bent, dst)

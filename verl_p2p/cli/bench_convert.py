@@ -256,12 +256,13 @@ def _variant_fp8(cfg: dict, specs: dict) -> tuple:
     """FP8 targets: the rollout serves the trainer's 128x128 block-FP8 checkpoint of the same model; its tensor
     list holds e4m3fn weights with fp32 block scales, and each conversion starts with the quantize step."""
     from verl_p2p.trainer.fp8_checkpoint import fp8_checkpoint_model
-    from verl_p2p.trainer.fp8_stream import quantized_stream
+    from verl_p2p.trainer.fp8_stream import fp8_targets, quantized_stream
 
     fp8_cfg, fp8_specs = fp8_checkpoint_model(cfg, specs)
+    targets = fp8_targets(fp8_specs)  # once per plan, as push keeps them (`fp8_stream.plan_fp8_targets`)
 
     def prepare(hf: dict) -> dict:
-        return dict(quantized_stream(hf.items(), fp8_specs))
+        return dict(quantized_stream(hf.items(), fp8_specs, targets=targets))
 
     return "fp8", fp8_cfg, fp8_specs, prepare
 

@@ -93,6 +93,24 @@ class Expectation:
     side_generation: list[int] | None = None  # SIDE_PROMPT, likewise
 
 
+class IndistinctWeightSetsError(RuntimeError):
+    """Both weight sets generate the same tokens: the generation check could not catch stale weights."""
+
+
+def _require_distinct_generations(arch: str, expect: dict[int, Expectation]) -> None:
+    """Refuse a run whose generation check would pass with the old weights still served: for classes whose
+    derived tensors (MLA's w_kc / w_vc) no checksum covers, the generations are the only proof of the rebuild."""
+    a, b = expect[0], expect[1]
+    if a.generation is None or b.generation is None:
+        return  # a rollout without generation (the loopback stand-in): checksums only
+    if (a.generation, a.side_generation) == (b.generation, b.side_generation):
+        raise IndistinctWeightSetsError(
+            f"{arch}: both weight sets generate {a.generation} (and {a.side_generation} for the side prompt), so "
+            "equal generations would not show that a sync took effect; use a model whose layers shape the "
+            "output (write_tiny_checkpoint(init='model')) or another --seed"
+        )
+
+
 @dataclass
 class Check:
     name: str
@@ -227,6 +245,7 @@ class Harness:
             id_encoded=False,
             seed=args.seed,
             dtype=getattr(torch, self.dtype),
+            init="model",  # every layer shapes the greedy tokens, so the generation check can fail
             **overrides,
         )
         self.rollout_checkpoint = self._served(self.checkpoint)
@@ -263,6 +282,7 @@ class Harness:
         fresh_client.close()
         self.fresh.stop()  # frees its GPU memory; the expectation is kept
         self.info["expected_generations"] = {k: e.generation for k, e in self.expect.items()}
+        _require_distinct_generations(self.arch, self.expect)
         self.info["checksummed_tensors"] = len(self.expect[0].checksums)
         differing = sum(self.expect[0].checksums[k] != v for k, v in self.expect[1].checksums.items())
         self.info["tensors_differing_between_sets"] = differing

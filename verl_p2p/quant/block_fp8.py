@@ -141,8 +141,8 @@ def quantize_many(
     names = list(names) if names is not None else [f"tensor {i}" for i in range(len(tensors))]
     out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(tensors)
     groups: dict[tuple, list[int]] = {}
-    for i, t in enumerate(tensors):
-        groups.setdefault((tuple(t.shape), t.dtype, t.device), []).append(i)
+    for i, t in enumerate(tensors):  # torch.Size hashes as the tuple it is
+        groups.setdefault((t.shape, t.dtype, t.device), []).append(i)
     for members in groups.values():
         per = max(1, max_group_bytes // max(1, tensors[members[0]].numel() * 4))
         for start in range(0, len(members), per):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import operator
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
@@ -52,6 +53,8 @@ class CompiledReplica:
         self.key = reference.key
         self.plan: WritePlan = reference.plan
         self.programs: dict[tuple[str, int, int], CopyProgram] = {}
+        # id(program) -> (program, its feeds' expected shapes)
+        self._expected: dict[int, tuple[CopyProgram, tuple[tuple[str, torch.Size], ...]]] = {}
         self.fallbacks: dict[str, str] = {}
         for name, p in self.plan.params.items():
             reason = compilable(p, self.plan.hf_specs)
@@ -212,16 +215,21 @@ class CompiledReplica:
                 dst.copy_(out, non_blocking=dst.is_pinned() or dst.device.type == "cuda")
 
     def _feeds(self, prog: CopyProgram, hf_tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The program's HF tensors, each checked against the shape the plan was built for. This runs once per
+        HF tensor of every push (an FP8 MoE rank has thousands): the expected shapes are looked up once per
+        program, and the loop does one lookup and one shape compare per tensor."""
+        hit = self._expected.get(id(prog))
+        if hit is None or hit[0] is not prog:  # the entry holds its program, so its id is never reused
+            specs = self.plan.hf_specs
+            hit = self._expected[id(prog)] = (prog, tuple((n, torch.Size(specs[n][0])) for n in prog.hf_names))
+        expected = hit[1]
         feeds = {}
-        specs = self.plan.hf_specs
-        for n in prog.hf_names:
+        for n, shape in expected:
             t = hf_tensors.get(n)
-            if t is None:
-                raise ReplicaLoadError(f"{prog.param} needs HF tensor {n}, which was not given")
-            if tuple(t.shape) != tuple(specs[n][0]):
-                raise ReplicaLoadError(
-                    f"HF tensor {n} has shape {tuple(t.shape)}, the plan was built for {specs[n][0]}"
-                )
+            if t is None or t.shape != shape:
+                if t is None:
+                    raise ReplicaLoadError(f"{prog.param} needs HF tensor {n}, which was not given")
+                raise ReplicaLoadError(f"HF tensor {n} has shape {tuple(t.shape)}, the plan was built for {shape}")
             feeds[n] = t
         for n in prog.strided_sources:
             if not feeds[n].is_contiguous():
@@ -286,18 +294,22 @@ def stacked_runs(b: CopyBatch, srcs: Sequence[torch.Tensor]) -> list[tuple[int, 
     merely sit side by side in separate allocations are copied one by one."""
     whole = b.src_offset is None
     first = srcs[0]
-    dtype, shape = first.dtype, first.shape
+    shape = first.shape
     if whole and tuple(shape) != b.shape:
         return []
-    ptrs = []
-    for t in srcs:
-        if t.dtype != dtype or (whole and (t.shape != shape or not t.is_contiguous())):
-            return []
-        ptrs.append(t.data_ptr())
+    # one C-level pass per property, not a Python loop body per source: this runs for thousands of expert tensors
+    # per push (measured on meta tensors, the checks are ~0.3 us per source this way, ~0.7 us as a loop)
+    if len({t.dtype for t in srcs}) != 1:
+        return []
+    if whole and (len({t.shape for t in srcs}) != 1 or not all(map(torch.Tensor.is_contiguous, srcs))):
+        return []
+    ptrs = list(map(torch.Tensor.data_ptr, srcs))
     es, n, runs, i = first.element_size(), len(srcs), [], 0
+    steps = list(map(operator.sub, ptrs[1:], ptrs[:-1]))  # steps[k]: source k to source k + 1
+    one_step = len(set(steps)) == 1  # the usual case: one quantizer batch, one grouped tensor
     while i < n - 1:
-        step, j = ptrs[i + 1] - ptrs[i], i + 1
-        while j + 1 < n and ptrs[j + 1] - ptrs[j] == step:
+        step, j = steps[i], (n - 1 if one_step else i + 1)
+        while j + 1 < n and steps[j] == step:
             j += 1
         view = _run_view(b, srcs[i], srcs[j], j - i + 1, step, es) if step > 0 and step % es == 0 else None
         if view is not None:

@@ -61,9 +61,11 @@ _DEEPSEEK_V3 = dict(
     num_experts_per_tok=2,
     first_k_dense_replace=1,
     moe_layer_freq=1,
-    kv_lora_rank=32,
+    # kv_lora_rank + qk_rope_head_dim = 288: SGLang's triton MLA decode kernel reads V out of the K tile, so the
+    # latent and rope widths must be one of its handled pairs (576 as published, or 288); 32 + 16 fails to compile
+    kv_lora_rank=256,
     q_lora_rank=48,
-    qk_rope_head_dim=16,
+    qk_rope_head_dim=32,
     qk_nope_head_dim=16,
     v_head_dim=16,
     n_group=2,
@@ -237,8 +239,16 @@ def hf_tensor_shapes(cfg: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
         yield name, shape
 
 
-def tiny_state_dict(cfg: dict, id_encoded: bool = True, seed: int = 0, dtype=torch.float32) -> dict[str, torch.Tensor]:
-    """HF-named tensors for `cfg`: id-encoded (distinct integers) or small random values."""
+def tiny_state_dict(
+    cfg: dict, id_encoded: bool = True, seed: int = 0, dtype=torch.float32, init: str = "small"
+) -> dict[str, torch.Tensor]:
+    """HF-named tensors for `cfg`: id-encoded (distinct integers) or random values. Random `init`: "small" is
+    N(0, 0.02) everywhere (a layout test needs distinct values, not a working model); "model" is as a model is
+    initialised (norms 1, embeddings N(0, 1), other matrices N(0, 1/fan_in)), so every layer shapes the output:
+    with "small" the residual stream is the embedding and greedy tokens ignore attention and the experts (a tiny
+    DeepSeek-V3 gave the same tokens for every weight set), which would make a generation check prove nothing."""
+    if init not in ("small", "model"):
+        raise ValueError(f"init={init!r}: choose 'small' or 'model'")
     out: dict[str, torch.Tensor] = {}
     next_id = 1
     gen = torch.Generator().manual_seed(seed)
@@ -253,21 +263,41 @@ def tiny_state_dict(cfg: dict, id_encoded: bool = True, seed: int = 0, dtype=tor
             next_id += numel
         else:
             t = torch.randn(shape, generator=gen, dtype=torch.float32) * 0.02
+            if init == "model":
+                t = _model_init(name, t / 0.02)
         out[name] = t.to(dtype)
     return out
 
 
+def _model_init(name: str, unit: torch.Tensor) -> torch.Tensor:
+    """`unit` (N(0, 1) values) scaled as a model initialises tensor `name`."""
+    if name.endswith("norm.weight"):  # every RMSNorm / LayerNorm weight (input_layernorm, q_a_layernorm, model.norm)
+        return torch.ones_like(unit)
+    if unit.dim() == 2 and "embed_tokens" not in name:
+        return unit / unit.shape[-1] ** 0.5
+    if unit.dim() == 2:
+        return unit
+    return unit * 0.02  # biases, routing correction biases
+
+
 def write_tiny_checkpoint(
-    path: str | os.PathLike, arch: str, id_encoded: bool = True, seed: int = 0, dtype=torch.float32, **overrides
+    path: str | os.PathLike,
+    arch: str,
+    id_encoded: bool = True,
+    seed: int = 0,
+    dtype=torch.float32,
+    init: str = "small",
+    **overrides,
 ) -> Path:
-    """Write config.json + model.safetensors of a tiny `arch` model to `path` and return it."""
+    """Write config.json + model.safetensors of a tiny `arch` model to `path` and return it (`init`: see
+    `tiny_state_dict`)."""
     from safetensors.torch import save_file
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     cfg = tiny_config_dict(arch, **overrides)
     cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
-    tensors = tiny_state_dict(cfg, id_encoded=id_encoded, seed=seed, dtype=dtype)
+    tensors = tiny_state_dict(cfg, id_encoded=id_encoded, seed=seed, dtype=dtype, init=init)
     save_file(
         {k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"), metadata={"format": "pt"}
     )

@@ -27,7 +27,7 @@ from verl_p2p.errors import TransferError, UnsupportedLayoutError
 from verl_p2p.planning.plan import split_by_bytes
 from verl_p2p.planning.targets import RemoteRankInfo, TargetRank
 from verl_p2p.trainer.coverage import check_coverage
-from verl_p2p.trainer.fp8_stream import quantized_stream
+from verl_p2p.trainer.fp8_stream import plan_fp8_targets, quantized_stream
 from verl_p2p.trainer.stream_checks import StreamRefusedError, check_fp8_export, refusal
 from verl_p2p.transfer.buffers import ALIGN, Slot, TransferBuffers
 from verl_p2p.transfer.writer import TargetFailure, WriteEntry, Writer, push_error
@@ -402,7 +402,11 @@ def push(
     buffers.begin()
     metrics.slot_bytes = buffers.slot_bytes_total
     pusher = _Pusher(buffers, writer, metrics, flush_bytes or max(ALIGN, buffers.slot_bytes // 8), load_threads)
-    stream = iter(quantized_stream(hf_stream, planned) if planned else hf_stream)  # FP8 rollouts: quantize
+    if planned:  # FP8 rollouts: quantize (the targets are the plans', kept across syncs)
+        targets = plan_fp8_targets(g.replica.plan for g in groups)
+        stream = iter(quantized_stream(hf_stream, planned, targets=targets))
+    else:
+        stream = iter(hf_stream)
     refused: str | None = None
     try:
         for group in groups:

@@ -346,12 +346,12 @@ class SourceSession:
 def _warm_fp8_quantizer(executors: Any) -> None:
     """FP8 rollouts: compile the GPU quantizer for the shapes the push quantizes, now, before the pause (the
     first sync of a trainer process paid its JIT inside the pause: 0.54 s of a 0.70 s pause on the H200)."""
-    from verl_p2p.trainer.fp8_stream import fp8_targets
+    from verl_p2p.trainer.fp8_stream import plan_fp8_targets
 
     shapes = set()
     for executor in executors:
         planned = getattr(executor.plan, "hf_specs", None) or {}
-        shapes.update(tuple(planned[name][0]) for name in fp8_targets(planned))
+        shapes.update(tuple(planned[name][0]) for name in plan_fp8_targets([executor.plan]))
     if shapes:
         import torch
 

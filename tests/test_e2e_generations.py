@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
 from verl_p2p.e2e.run import PROMPT, Expectation, IndistinctWeightSetsError, _require_distinct_generations
 from verl_p2p.e2e.trainer import weight_scale
 from verl_p2p.sandbox.tiny import tiny_config_dict, tiny_state_dict, write_tiny_checkpoint
-
-transformers = pytest.importorskip("transformers")
 
 
 def _loaded(tmp_path, arch: str, init: str):

@@ -53,8 +53,8 @@ class CompiledReplica:
         self.key = reference.key
         self.plan: WritePlan = reference.plan
         self.programs: dict[tuple[str, int, int], CopyProgram] = {}
-        # id(program) -> (program, its feeds' expected shapes)
-        self._expected: dict[int, tuple[CopyProgram, tuple[tuple[str, torch.Size], ...]]] = {}
+        # the planned shape of every HF tensor, as torch.Size: one compare per feed in `_feeds`
+        self._shapes = {n: torch.Size(shape) for n, (shape, _) in self.plan.hf_specs.items()}
         self.fallbacks: dict[str, str] = {}
         for name, p in self.plan.params.items():
             reason = compilable(p, self.plan.hf_specs)
@@ -216,20 +216,17 @@ class CompiledReplica:
 
     def _feeds(self, prog: CopyProgram, hf_tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The program's HF tensors, each checked against the shape the plan was built for. This runs once per
-        HF tensor of every push (an FP8 MoE rank has thousands): the expected shapes are looked up once per
-        program, and the loop does one lookup and one shape compare per tensor."""
-        hit = self._expected.get(id(prog))
-        if hit is None or hit[0] is not prog:  # the entry holds its program, so its id is never reused
-            specs = self.plan.hf_specs
-            hit = self._expected[id(prog)] = (prog, tuple((n, torch.Size(specs[n][0])) for n in prog.hf_names))
-        expected = hit[1]
+        HF tensor of every push (an FP8 MoE rank has thousands): one lookup and one shape compare per tensor."""
+        shapes = self._shapes
         feeds = {}
-        for n, shape in expected:
-            t = hf_tensors.get(n)
+        for n in prog.hf_names:
+            t, shape = hf_tensors.get(n), shapes[n]
             if t is None or t.shape != shape:
                 if t is None:
                     raise ReplicaLoadError(f"{prog.param} needs HF tensor {n}, which was not given")
-                raise ReplicaLoadError(f"HF tensor {n} has shape {tuple(t.shape)}, the plan was built for {shape}")
+                raise ReplicaLoadError(
+                    f"HF tensor {n} has shape {tuple(t.shape)}, the plan was built for {tuple(shape)}"
+                )
             feeds[n] = t
         for n in prog.strided_sources:
             if not feeds[n].is_contiguous():
@@ -306,9 +303,8 @@ def stacked_runs(b: CopyBatch, srcs: Sequence[torch.Tensor]) -> list[tuple[int, 
     ptrs = list(map(torch.Tensor.data_ptr, srcs))
     es, n, runs, i = first.element_size(), len(srcs), [], 0
     steps = list(map(operator.sub, ptrs[1:], ptrs[:-1]))  # steps[k]: source k to source k + 1
-    one_step = len(set(steps)) == 1  # the usual case: one quantizer batch, one grouped tensor
     while i < n - 1:
-        step, j = steps[i], (n - 1 if one_step else i + 1)
+        step, j = steps[i], i + 1
         while j + 1 < n and steps[j] == step:
             j += 1
         view = _run_view(b, srcs[i], srcs[j], j - i + 1, step, es) if step > 0 and step % es == 0 else None

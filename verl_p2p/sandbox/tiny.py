@@ -262,9 +262,8 @@ def tiny_state_dict(
             t = torch.arange(next_id, next_id + numel, dtype=torch.float32).reshape(shape)
             next_id += numel
         else:
-            t = torch.randn(shape, generator=gen, dtype=torch.float32) * 0.02
-            if init == "model":
-                t = _model_init(name, t / 0.02)
+            unit = torch.randn(shape, generator=gen, dtype=torch.float32)
+            t = unit * 0.02 if init == "small" else _model_init(name, unit)
         out[name] = t.to(dtype)
     return out
 

@@ -66,3 +66,29 @@ def test_indistinct_weight_sets_are_refused_and_loopback_runs_pass():
         _require_distinct_generations("deepseek_v3", {0: same, 1: Expectation({}, [1, 2], [3])})
     _require_distinct_generations("deepseek_v3", {0: same, 1: Expectation({}, [1, 2], [4])})  # the side differs
     _require_distinct_generations("qwen3", {0: Expectation({}, None), 1: Expectation({}, None)})  # no generation
+
+
+def test_model_init_of_tied_embeddings_does_not_just_repeat_the_last_token(tmp_path):
+    """Qwen3-4B's shape ties its LM head to the embeddings: at N(0, 1) embeddings the logit of the current token
+    (its embedding's squared norm) outweighed every layer, and both weight sets only repeated the prompt's last
+    token on the H200. Tied embeddings are N(0, 1/hidden): the sets generate apart, not a copy of the prompt."""
+    path = write_tiny_checkpoint(
+        tmp_path / "tied", "qwen3", id_encoded=False, init="model", vocab_size=4096, hidden_size=256,
+        intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True,
+    )  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    loaded = {n: p.detach().clone() for n, p in model.named_parameters()}
+    got = []
+    for k in (0, 1):
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(loaded[n] * weight_scale(k))
+            out = model.generate(
+                torch.tensor([PROMPT]), attention_mask=torch.ones(1, len(PROMPT), dtype=torch.long),
+                max_new_tokens=16, do_sample=False, pad_token_id=0,
+            )  # fmt: skip
+        got.append(out[0, len(PROMPT) :].tolist())
+    assert got[0] != got[1]
+    assert all(set(g) != {PROMPT[-1]} for g in got), got
+    state = tiny_state_dict(tiny_config_dict("qwen3", tie_word_embeddings=True, hidden_size=256), False, init="model")
+    assert 0.5 < float(state["model.embed_tokens.weight"].std()) * 256**0.5 < 2.0

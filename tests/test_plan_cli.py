@@ -232,3 +232,42 @@ def test_plan_splits_each_target_over_the_idle_sources_and_shows_both(tiny_model
     assert same["bound"] == "receive" and same["receive_floor_s"] == pytest.approx(biggest / 1e8)
     assert same["predicted_s"] == same["wire_floor_s"] == same["receive_floor_s"] > same["send_floor_s"]
     assert same["predicted_s"] >= 0.99 * same["predicted_without_split_s"]
+
+
+def test_rollout_layouts_that_keep_the_dense_mlp_and_shared_expert_whole(tmp_path, capsys):
+    """`moe_dense_tp=1` (SGLang's --moe-dense-tp-size 1) and `shared_tp=1` (SGLANG_SHARED_EXPERT_TP1=1): the
+    layouts whose FP8 block rule lets Kimi-K2 run on 32-GPU engines. Each rank then holds the dense MLP and the
+    shared expert whole: the plan's bytes per rank grow by exactly the shards it no longer splits 4 ways."""
+    cfg = tiny_config_dict("deepseek_v3")  # 3 layers (the first dense), hidden 64, one shared expert of 32
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    itemsize = {"bfloat16": 2, "float32": 4}[cfg.get("torch_dtype", "bfloat16")]
+
+    def rank_bytes(rollout: str) -> int:
+        argv = ["plan", "--model", str(path), "--trainer", "tp=1", "--rollout", rollout, "--json"]
+        assert cli_main([*argv, "--plan-cache-dir", str(tmp_path / "plans")]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert len(set(out["target_bytes"].values())) == 1, out["target_bytes"]
+        return out["target_bytes"]["e0r0"]
+
+    plain, dense, shared = (rank_bytes(r) for r in ("tp=4,ep=4", "tp=4,ep=4,moe_dense_tp=1", "tp=4,ep=4,shared_tp=1"))
+    both = rank_bytes("tp=4,ep=4,moe_dense_tp=1,shared_tp=1")
+    h, mlp, moe = cfg["hidden_size"], cfg["intermediate_size"], cfg["moe_intermediate_size"] * cfg["n_shared_experts"]
+    moe_layers = cfg["num_hidden_layers"] - cfg["first_k_dense_replace"]
+    dense_whole = 3 * mlp * h * cfg["first_k_dense_replace"] * itemsize  # gate, up, down
+    shared_whole = 3 * moe * h * moe_layers * itemsize
+    assert dense - plain == dense_whole * 3 // 4
+    assert shared - plain == shared_whole * 3 // 4
+    assert both - plain == (dense_whole + shared_whole) * 3 // 4
+    assert cli_main(["plan", "--model", str(path), "--trainer", "tp=1", "--rollout", "tp=4,ep=4,shared_tp=2"]) == 2
+    assert "shared_tp=2: SGLang takes 1" in capsys.readouterr().err
+    assert parse_parallelism("tp=32,ep=32,moe_dense_tp=1,shared_tp=1x4", ("tp", "ep", "moe_dense_tp", "shared_tp")) == (
+        Parallelism(tp=32, ep=32, moe_dense_tp=1, shared_tp=1, engines=4)
+    )
+    assert rollout_server_args(Parallelism(tp=32, ep=32, moe_dense_tp=1, shared_tp=1)) == {
+        "tp_size": 32,
+        "ep_size": 32,
+        "dtype": "bfloat16",
+        "moe_dense_tp_size": 1,
+        "SGLANG_SHARED_EXPERT_TP1": True,
+    }

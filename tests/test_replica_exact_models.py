@@ -46,6 +46,9 @@ LAYOUTS = [
     # published parameters, never from the trainer's device (which would not fuse here)
     ("dsv3-tp1-fused", "dsv3", dict(tp_size=1, enforce_shared_experts_fusion=True)),
     ("dsv3-tp2-fused", "dsv3", dict(tp_size=2, enforce_shared_experts_fusion=True)),
+    # Kimi-K2's 32-GPU FP8 layout in small: dense MLP (--moe-dense-tp-size 1) and shared expert
+    # (SGLANG_SHARED_EXPERT_TP1=1, an environment setting no /server_info reports) whole on every rank
+    ("dsv3-tp4-ep4-sharedtp1", "dsv3", dict(tp_size=4, ep_size=4, moe_dense_tp_size=1)),
     ("dsv2-tp2-ep2", "dsv2", dict(tp_size=2, ep_size=2)),
     ("glm45-tp2-ep2", "glm45", dict(tp_size=2, ep_size=2)),
     ("glm45-tp4-ep2-dpattn2", "glm45", dict(tp_size=4, ep_size=2, dp_size=2, enable_dp_attention=True)),
@@ -58,6 +61,7 @@ LAYOUTS = [
     ("llama-tp4", "llama", dict(tp_size=4)),  # 2 kv heads over 4 ranks: replicated
 ]
 FUSED = {t for t, _, a in LAYOUTS if a.get("enforce_shared_experts_fusion")}
+SHARED_TP1 = {"dsv3-tp4-ep4-sharedtp1"}  # witnesses started with SGLANG_SHARED_EXPERT_TP1=1
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +84,8 @@ def exact_results(tmp_path_factory):
             job = {"tag": f"{tag}-{variant}", "model_path": paths[model, variant], "server_args": {"dtype": dt, **args}}
             if tag in FUSED:
                 job["fusion_from_published"] = True
+            if tag in SHARED_TP1:
+                job.update(env={"SGLANG_SHARED_EXPERT_TP1": "1"}, shared_tp1_from_published=True)
             by_world.setdefault(args["tp_size"], []).append(job)
     results = harness.run_matrix(root, by_world, VERSIONS, parallel=False)  # one release at a time: shared host
     return {(r["version"].split("+")[0], r["tag"]): r for r in results}, root
@@ -128,3 +134,24 @@ def test_shared_expert_fusion_is_decided_as_the_rollout_decided(exact_results, v
     assert "--disable-shared-experts-fusion" in text
     witness = torch.load(os.path.join(root, version, f"{tag}-f32ids", "rank0.pt"))
     assert not any(".shared_experts." in n for n in witness)  # the witness really fused
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("tag", sorted(SHARED_TP1))
+def test_shared_expert_held_whole_is_read_from_the_published_sizes(exact_results, version, tag):
+    """A rollout started with SGLANG_SHARED_EXPERT_TP1=1 holds its shared expert whole on every rank (and, with
+    --moe-dense-tp-size 1, its dense MLP): its server info does not say so, so the replica reads it from the
+    published sizes and is built so (bytes equal above); from the server info alone it would hold 1/tp shards."""
+    results, root = exact_results
+    r = results[(version, f"{tag}-f32ids")]
+    world = dict(next(a for t, _, a in LAYOUTS if t == tag))["tp_size"]
+    whole = (2 * 32, 64)  # 2 x moe_intermediate_size x n_shared_experts rows, hidden_size columns
+    layers = 2  # the MoE layers of the tiny config (the first is dense)
+    assert r["shared_tp1"] == [True] * world
+    shapes = {k: [tuple(s) for s in v] for k, v in r["shared_shapes"].items()}
+    assert shapes["replica"] == [whole] * (world * layers)
+    assert shapes["plain"] == [(whole[0] // world, whole[1])] * (world * layers)
+    for rank in range(world):
+        witness = torch.load(os.path.join(root, version, f"{tag}-f32ids", f"rank{rank}.pt"))
+        assert tuple(witness["model.layers.1.mlp.shared_experts.gate_up_proj.weight"].shape) == whole
+        assert tuple(witness["model.layers.0.mlp.gate_up_proj.weight"].shape) == (2 * 128, 64)  # dense, whole

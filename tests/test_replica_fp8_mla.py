@@ -33,14 +33,29 @@ def mla_fp8(tmp_path_factory):
         "bf16_source": str(bf16),
         "server_args": {"dtype": "bfloat16", "tp_size": 2},
     }
-    results = harness.run_matrix(root, {2: [job]}, VERSIONS, "FP8 MLA")
+    # Kimi-K2's 32-GPU FP8 layout in small: its 128-row-per-matrix shared expert split over 2 ranks would be 64
+    # rows, which SGLang's 128-block rule refuses; kept whole (SGLANG_SHARED_EXPERT_TP1=1, and the dense MLP by
+    # --moe-dense-tp-size 1) on every rank, which the replica reads from the published sizes
+    bf16_whole = write_tiny_checkpoint(
+        root / "bf16-shared128", "deepseek_v3", id_encoded=False, dtype=torch.bfloat16, torch_dtype="bfloat16",
+        **{**MLA_128, "moe_intermediate_size": 128},
+    )  # fmt: skip
+    whole = {
+        "tag": "mla-fp8-tp2-ep2-sharedtp1",
+        "model_path": str(quantize_checkpoint(bf16_whole, root / "fp8-shared128")),
+        "bf16_source": str(bf16_whole),
+        "server_args": {"dtype": "bfloat16", "tp_size": 2, "ep_size": 2, "moe_dense_tp_size": 1},
+        "env": {"SGLANG_SHARED_EXPERT_TP1": "1"},
+        "shared_tp1_from_published": True,
+    }
+    results = harness.run_matrix(root, {2: [job, whole]}, VERSIONS, "FP8 MLA")
     witness = torch.load(root / "0.5.23" / "mla-fp8-tp2" / "rank1.pt")
     return results, witness, root
 
 
 def test_fp8_mla_replica_bytes_equal_sglang_ranks(mla_fp8):
     results, witness, root = mla_fp8
-    (r,) = results
+    (r,) = [r for r in results if r["tag"] == "mla-fp8-tp2"]
     assert r["version"].startswith("0.5.23")
     assert not r["problems"], r["problems"]
     assert r["checked"] > 0 and r["compiled"] == r["checked"]
@@ -56,3 +71,25 @@ def test_fp8_mla_replica_bytes_equal_sglang_ranks(mla_fp8):
         assert absorbed <= listed and all(".self_attn.w_" in n for n in listed), (listed, absorbed)
     assert witness["model.layers.0.self_attn.kv_b_proj.weight"].dtype == torch.float8_e4m3fn
     assert witness["model.layers.0.self_attn.kv_b_proj.weight_scale_inv"].dtype == torch.float32
+
+
+def test_fp8_shared_expert_held_whole_on_every_rank(mla_fp8):
+    """The layout that lets block-FP8 Kimi-K2 run on 32-GPU engines, in small: every rank's bytes equal SGLang's
+    own, its FP8 shared expert (and dense MLP) whole with their 128x128 scales, read from the published sizes;
+    the replica the server info alone gives (the shared expert split to 64 rows) is refused by SGLang's rule."""
+    results, _, root = mla_fp8
+    (r,) = [r for r in results if r["tag"] == "mla-fp8-tp2-ep2-sharedtp1"]
+    assert not r["problems"], r["problems"]
+    assert r["checked"] > 0 and r["compiled"] == r["checked"] and not r["fallbacks"], r["fallbacks"]
+    assert r["shared_tp1"] == [True] * 2
+    assert {tuple(s) for s in r["shared_shapes"]["replica"]} == {(256, 256)}  # 2 x 128 rows, whole
+    assert len(r["shared_refusals"]) == 2
+    assert all("not divisible by weight quantization block_n = 128" in t for t in r["shared_refusals"])
+    assert all("SGLANG_SHARED_EXPERT_TP1=1 / --moe-dense-tp-size 1" in t for t in r["shared_refusals"])
+    for rank in range(2):
+        witness = torch.load(root / "0.5.23" / "mla-fp8-tp2-ep2-sharedtp1" / f"rank{rank}.pt")
+        shared = "model.layers.1.mlp.shared_experts.gate_up_proj"
+        assert witness[f"{shared}.weight"].dtype == torch.float8_e4m3fn
+        assert tuple(witness[f"{shared}.weight"].shape) == (256, 256)
+        assert tuple(witness[f"{shared}.weight_scale_inv"].shape) == (2, 2)
+        assert tuple(witness["model.layers.0.mlp.gate_up_proj.weight"].shape) == (1024, 256)  # dense, whole

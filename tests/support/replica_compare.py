@@ -13,6 +13,10 @@ through the trainer's quantize step (`trainer/fp8_stream.py`), not from the FP8 
 A job with `fusion_from_published` builds the replica from
 the server args less the shared-experts fusion flag the witness ran with, deciding fusion from the witness's
 parameters (`rollout_fusion_args`), and records the refusal of the replica the trainer would build alone.
+A job with `shared_tp1_from_published` (a witness started with SGLANG_SHARED_EXPERT_TP1=1, which no server info
+reports) builds the replica from what `rollout_shared_expert_args` reads of the witness's parameter sizes, and
+records the shared expert's shapes in that replica and in the one the server info alone would give (or SGLang's
+refusal of the latter).
 """
 
 import json
@@ -52,18 +56,26 @@ def _strided_problems(rank, name, p, replica, executor, feeds, want) -> list[str
     return problems
 
 
+def _shared_gate_up_shapes(plan, suffix: str) -> list[tuple]:
+    return [tuple(p.shape) for n, p in plan.params.items() if n.endswith(suffix)]
+
+
 def _compare_job(job: dict, world: int, out: str) -> dict:
     import sglang
     import torch
     from safetensors.torch import load_file
 
+    from verl_p2p.errors import UnsupportedLayoutError
     from verl_p2p.planning.layout import layout_from_server_args
     from verl_p2p.planning.shared_experts import (
         DISABLE,
         ENFORCE,
+        SHARED_GATE_UP,
+        SHARED_TP1,
         SharedExpertsFusionMismatchError,
         check_replica_fusion,
         rollout_fusion_args,
+        rollout_shared_expert_args,
     )
     from verl_p2p.replica import RankReplica, check_hf_coverage
     from verl_p2p.replica.compiled import CompiledReplica
@@ -85,6 +97,7 @@ def _compare_job(job: dict, world: int, out: str) -> dict:
     problems, plans, checked, chunked, compiled, compiled_chunked, fallbacks = [], [], 0, 0, 0, 0, []
     strided_checked = 0
     derived, local, fusion_refusals = {}, {}, []
+    shared_shapes, shared_tp1, shared_refusals = {"plain": [], "replica": []}, [], []
     for rank in range(world):
         witness = torch.load(os.path.join(out, f"rank{rank}.pt"))
         rank_info = info
@@ -96,7 +109,18 @@ def _compare_job(job: dict, world: int, out: str) -> dict:
             except SharedExpertsFusionMismatchError as exc:
                 fusion_refusals.append(str(exc))
             rank_info = rollout_fusion_args(cfg, rank_info, witness, f"witness rank {rank}")
+        if job.get("shared_tp1_from_published"):  # an environment setting no /server_info reports
+            try:  # SGLang may refuse the split one outright (an FP8 shard under its 128-row block)
+                plain = RankReplica.build(cfg, rank_info, layout_from_server_args(rank_info, rank), specs)
+                shared_shapes["plain"] += _shared_gate_up_shapes(plain.plan, SHARED_GATE_UP)
+            except UnsupportedLayoutError as exc:
+                shared_refusals.append(str(exc))
+            rank_info = rollout_shared_expert_args(
+                cfg, rank_info, {n: t.numel() for n, t in witness.items()}, f"witness rank {rank}"
+            )
+            shared_tp1.append(rank_info.get(SHARED_TP1) is True)
         replica = RankReplica.build(cfg, rank_info, layout_from_server_args(rank_info, rank), specs)
+        shared_shapes["replica"] += _shared_gate_up_shapes(replica.plan, SHARED_GATE_UP)
         check_replica_fusion(replica.plan.params, witness, f"witness rank {rank}")
         plans.append(replica.plan)
         derived[str(rank)] = list(replica.plan.derived)
@@ -159,6 +183,9 @@ def _compare_job(job: dict, world: int, out: str) -> dict:
         "derived": derived,
         "local": local,
         "fusion_refusals": fusion_refusals,
+        "shared_shapes": shared_shapes,
+        "shared_tp1": shared_tp1,
+        "shared_refusals": shared_refusals,
     }
 
 

@@ -1,15 +1,31 @@
 """Witness process: rank `r` of real gloo worlds builds each job's SGLang model and dumps its parameters.
 
 Run as `python tests/support/replica_witness.py SPEC.json RANK`. SPEC: {"out": DIR, "phases": [{"world": N,
-"init": "tcp://...", "jobs": [{"tag", "model_path", "server_args"}]}]}; a rank joins the phases whose world
+"init": "tcp://...", "jobs": [{"tag", "model_path", "server_args", "env"?}]}]} (env: the environment settings the
+rollout's processes were started with, set while the model is built); a rank joins the phases whose world
 includes it, and the world is torn down between phases. Writes DIR/TAG/rank{r}.pt (parameters),
 DIR/TAG/derived{r}.pt (non-parameter tensors SGLang derived after loading, e.g. MLA's w_kc/w_vc) and, from
 rank 0, DIR/TAG/server_info.json (the resolved server args, as `/server_info` would serve them).
 """
 
+import contextlib
 import json
 import os
 import sys
+
+
+@contextlib.contextmanager
+def _environment(settings: dict):
+    saved = {k: os.environ.get(k) for k in settings}
+    os.environ.update(settings)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def main() -> None:
@@ -25,7 +41,10 @@ def main() -> None:
         for job in phase["jobs"]:
             out = os.path.join(spec["out"], job["tag"])
             os.makedirs(out, exist_ok=True)
-            model = build_sglang_rank_model(job["model_path"], job["server_args"], rank, phase["world"], phase["init"])
+            with _environment(job.get("env", {})):  # what the rollout's process was started with
+                model = build_sglang_rank_model(
+                    job["model_path"], job["server_args"], rank, phase["world"], phase["init"]
+                )
             params = {n: p.detach().clone() for n, p in model.named_parameters()}
             assert all(p.device.type == "cpu" for p in params.values())
             torch.save(params, os.path.join(out, f"rank{rank}.pt"))

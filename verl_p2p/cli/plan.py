@@ -19,6 +19,7 @@ from verl_p2p.planning.hf_names import hf_tensor_specs
 from verl_p2p.planning.layout import layout_from_server_args
 from verl_p2p.planning.model_cards import MODEL_CARDS, PublishedSync, card_name_of, model_card, published_for
 from verl_p2p.planning.plan import SourceRank, build_transfer_plan, split_by_bytes
+from verl_p2p.planning.shared_experts import SHARED_TP1
 from verl_p2p.planning.sync_estimate import (
     DEFAULT_CONVERT_GBPS,
     DEFAULT_CONVERT_SOURCE,
@@ -36,7 +37,7 @@ from verl_p2p.planning.sync_estimate import (
 from verl_p2p.planning.targets import TargetRank
 
 TRAINER_KEYS = ("tp", "pp", "ep", "dp")
-ROLLOUT_KEYS = ("tp", "ep", "dp_attn")
+ROLLOUT_KEYS = ("tp", "ep", "dp_attn", "moe_dense_tp", "shared_tp")
 
 
 def _abstract(args: argparse.Namespace) -> int:
@@ -187,7 +188,9 @@ def _has_cuda() -> bool:
 
 def _rollout_text(server_args: dict) -> str:
     text = f"tp={server_args['tp_size']},ep={server_args['ep_size']}"
-    return text + (f",dp_attn={server_args['dp_size']}" if server_args.get("enable_dp_attention") else "")
+    text += f",dp_attn={server_args['dp_size']}" if server_args.get("enable_dp_attention") else ""
+    text += ",moe_dense_tp=1" if server_args.get("moe_dense_tp_size") == 1 else ""
+    return text + (",shared_tp=1" if server_args.get(SHARED_TP1) else "")
 
 
 def _gb(n: int) -> str:
@@ -212,6 +215,8 @@ def estimate_json(est: SyncEstimate, trainer: Parallelism, rollout: Parallelism)
             "tp": rollout.tp,
             "ep": rollout.ep,
             "dp_attn": rollout.dp_attn,
+            "moe_dense_tp": rollout.moe_dense_tp,
+            "shared_tp": rollout.shared_tp,
             "engines": rollout.engines,
         },
         "target_bytes": {f"e{t.engine}r{t.rank}": n for t, n in sorted(est.target_bytes.items())},
@@ -331,7 +336,11 @@ def run(argv: list[str]) -> int:
     )
     parser.add_argument("--model", help=f"config.json, checkpoint dir, or a card: {', '.join(MODEL_CARDS)}")
     parser.add_argument("--trainer", help="trainer layout, e.g. tp=4,pp=2,ep=8 (optional dp=)")
-    parser.add_argument("--rollout", help="rollout layout and replicas, e.g. tp=8,ep=8,dp_attn=8x4")
+    parser.add_argument(
+        "--rollout",
+        help="rollout layout and replicas, e.g. tp=8,ep=8,dp_attn=8x4; moe_dense_tp=1 (--moe-dense-tp-size 1) and "
+        "shared_tp=1 (SGLANG_SHARED_EXPERT_TP1=1) keep the dense MLP / shared expert whole on every rank",
+    )
     parser.add_argument("--nic-gbps", type=float, default=DEFAULT_NIC_GBITS, help="NIC per trainer GPU, Gb/s")
     parser.add_argument(
         "--rollout-nic-gbps", type=float, default=None, help="NIC per rollout GPU, Gb/s (default: --nic-gbps)"

@@ -139,6 +139,7 @@ def paused_seconds(phases: dict[str, float]) -> float:
 
 
 def _median(values: list[float]) -> float | None:
+    """The middle value; of an even count the upper of the two (the conservative side for a ratio goal)."""
     values = sorted(values)
     return values[len(values) // 2] if values else None
 

@@ -5,8 +5,8 @@ rollout's parameters. They live in the package (not in a test helper) because `v
 <card>` plans with them and the measurements capture real-scale write plans from them.
 
 DeepSeek-V3 and Kimi-K2 are published as FP8 block-quantized checkpoints; the cards here are their BF16
-shapes (the trainer holds BF16 and the p2p replica refuses quantized rollouts), without the
-multi-token-prediction layer. Kimi-K2's card says `model_type: kimi_k2`, a type transformers only knows
+shapes (what the trainer holds; `verl-p2p plan --rollout-quant fp8` plans the block-FP8 rollout from them),
+without the multi-token-prediction layer. Kimi-K2's card says `model_type: kimi_k2`, a type transformers only knows
 through the checkpoint's remote code; its architecture is DeepSeek-V3's, so the card uses `deepseek_v3`.
 """
 

@@ -6,6 +6,8 @@ parallelism, a validated config) unless `disable_shared_experts_fusion` / `enfor
 say otherwise. A replica built on the trainer would decide from the trainer's device, so the decision is read
 from what the rollout rank published: with fusion its MoE layers publish no `shared_experts` parameter.
 The replica is then built with the flag that forces that decision; a contradiction is refused naming both.
+Likewise whether the rollout holds its shared expert whole on every rank (SGLang's `SGLANG_SHARED_EXPERT_TP1`
+environment variable, which `/server_info` does not report) is read from the published size of its weight.
 Pure: no SGLang, no I/O.
 """
 
@@ -20,6 +22,10 @@ DISABLE = "disable_shared_experts_fusion"
 ENFORCE = "enforce_shared_experts_fusion"
 SHARED = ".mlp.shared_experts."
 ROUTED = ".mlp.experts."
+# The rollout's environment setting that builds the shared expert unsharded (tp_size 1) on every rank; p2p
+# carries it in the server args it builds replicas from, and the replica's rank context sets it for SGLang.
+SHARED_TP1 = "SGLANG_SHARED_EXPERT_TP1"
+SHARED_GATE_UP = ".mlp.shared_experts.gate_up_proj.weight"
 
 
 class SharedExpertsFusionMismatchError(RemoteMismatchError):
@@ -87,3 +93,39 @@ def check_replica_fusion(plan_names: Iterable[str], published: Iterable[str], wh
         f"written. Fix: start the rollout with --{DISABLE.replace('_', '-')} (p2p then builds the same layout), "
         "or run the trainer with the rollout's SGLang release"
     )
+
+
+def shared_expert_tp1_in(
+    hf_config: Mapping[str, Any] | Any, tp_size: int, published_numel: Mapping[str, int]
+) -> bool | None:
+    """From one rank's published sizes: True when its shared expert's gate_up weight is whole (tp_size 1),
+    False when it is the 1/tp_size shard, None when it holds none (fused, no MoE layer) or tp_size is 1."""
+    get = hf_config.get if isinstance(hf_config, Mapping) else lambda k, d=None: getattr(hf_config, k, d)
+    rows = 2 * int(get("moe_intermediate_size", 0) or 0) * int(get("n_shared_experts", 0) or 0)
+    whole = rows * int(get("hidden_size", 0) or 0)
+    sizes = {n for name, n in published_numel.items() if name.endswith(SHARED_GATE_UP)}
+    if tp_size <= 1 or not whole or not sizes:
+        return None
+    if sizes == {whole}:
+        return True
+    if sizes == {whole // tp_size}:
+        return False
+    return None  # neither (another quantization's packing): the replica's own size check names the weight
+
+
+def rollout_shared_expert_args(
+    hf_config: Mapping[str, Any] | Any,
+    server_info: Mapping[str, Any],
+    published_numel: Mapping[str, int],
+    where: str,
+) -> Mapping[str, Any]:
+    """`server_info` with everything p2p reads of the rollout's shared expert from rank `where`'s published
+    parameters (`published_numel`: name -> elements): its fusion decision (`rollout_fusion_args`) and whether
+    it holds the shared expert whole (`SHARED_TP1`, set only when it does)."""
+    info = rollout_fusion_args(hf_config, server_info, published_numel, where)
+    if not has_shared_experts(hf_config):
+        return info
+    whole = shared_expert_tp1_in(hf_config, int(info.get("tp_size") or 1), published_numel)
+    if whole is None or whole == bool(info.get(SHARED_TP1)):
+        return info
+    return {**info, SHARED_TP1: True} if whole else {k: v for k, v in info.items() if k != SHARED_TP1}

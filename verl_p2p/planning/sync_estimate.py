@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from verl_p2p.planning.hf_names import pp_stage_of
 from verl_p2p.planning.plan import SourceRank, TransferPlan
+from verl_p2p.planning.shared_experts import SHARED_TP1
 from verl_p2p.planning.targets import TargetRank
 
 # Conversion throughput per source assumed when none is given: the compiled executor into GPU transfer slots on
@@ -52,6 +53,8 @@ class Parallelism:
     ep: int = 1
     dp: int | None = None  # trainer data parallel; None: the smallest that holds ep (Megatron folds EP into DP x TP)
     dp_attn: int = 1  # rollout attention data parallelism (SGLang --enable-dp-attention --dp-size)
+    moe_dense_tp: int | None = None  # rollout dense MLP TP size (SGLang --moe-dense-tp-size; 1 or unset)
+    shared_tp: int | None = None  # rollout shared-expert TP size (1: SGLANG_SHARED_EXPERT_TP1=1; or unset)
     engines: int = 1  # rollout replicas
 
     def describe(self) -> str:
@@ -63,6 +66,7 @@ class Parallelism:
             parts.append(f"dp={self.dp}")
         if self.dp_attn != 1:
             parts.append(f"dp_attn={self.dp_attn}")
+        parts += [f"{k}={v}" for k, v in (("moe_dense_tp", self.moe_dense_tp), ("shared_tp", self.shared_tp)) if v]
         return ",".join(parts) + (f"x{self.engines}" if self.engines != 1 else "")
 
     @property
@@ -110,9 +114,16 @@ def rollout_server_args(par: Parallelism, dtype: str = "bfloat16") -> dict:
     """The SGLang server args of one rollout replica of this layout (what /server_info would report)."""
     if par.tp % par.ep or par.tp % par.dp_attn:
         raise ValueError(f"rollout tp={par.tp} must be divisible by ep={par.ep} and dp_attn={par.dp_attn}")
+    for key, value in (("moe_dense_tp", par.moe_dense_tp), ("shared_tp", par.shared_tp)):
+        if value not in (None, 1):
+            raise ValueError(f"rollout {key}={value}: SGLang takes 1 (unsharded on every rank) or leaves it unset")
     args = {"tp_size": par.tp, "ep_size": par.ep, "dtype": dtype}
     if par.dp_attn > 1:
         args.update(dp_size=par.dp_attn, enable_dp_attention=True)
+    if par.moe_dense_tp == 1:
+        args["moe_dense_tp_size"] = 1
+    if par.shared_tp == 1:  # an environment setting of the rollout, carried as p2p reads it from published sizes
+        args[SHARED_TP1] = True
     return args
 
 

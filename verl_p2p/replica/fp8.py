@@ -98,6 +98,7 @@ def block_rule_refusal(layout: Any) -> Iterator[None]:
             raise
         raise UnsupportedLayoutError(
             f"block-FP8 rollout rank {layout}: {e} (SGLang's rule: every TP shard of a 128x128 block-quantized "
-            "weight is a multiple of 128). Fix: a tp_size (or ep_size / moe TP) whose shards are multiples of 128, "
-            "or serve the rollout in bf16"
+            "weight is a multiple of 128). Fix: a tp_size (or ep_size / moe TP) whose shards are multiples of 128; "
+            "for a shared expert or a dense MLP, start the rollout with SGLANG_SHARED_EXPERT_TP1=1 / "
+            "--moe-dense-tp-size 1 (each rank holds it whole); or serve the rollout in bf16"
         ) from e

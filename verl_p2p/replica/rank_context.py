@@ -323,6 +323,33 @@ def checkpoint_config_dir(hf_config: Any) -> str:
     return path
 
 
+def rollout_environment(server_args: Mapping[str, Any]) -> dict[str, bool]:
+    """The rollout's environment settings that decide its bytes, as p2p carries them in server args (read from
+    published sizes, `planning.shared_experts`): {} when none is set, so other plans keep their digests."""
+    from verl_p2p.planning.shared_experts import SHARED_TP1
+
+    return {SHARED_TP1: True} if server_args.get(SHARED_TP1) is True else {}
+
+
+@contextlib.contextmanager
+def _rollout_environment_set(settings: Mapping[str, bool]):
+    """SGLang reads these from the process environment when it builds a model: set each to the rollout's value
+    (never the trainer's own environment), restored on exit."""
+    from verl_p2p.planning.shared_experts import SHARED_TP1
+
+    wanted = {SHARED_TP1: "1" if settings.get(SHARED_TP1) else "0"}
+    saved = {k: os.environ.get(k) for k in wanted}
+    os.environ.update(wanted)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def server_args_fingerprint(server_args: Mapping[str, Any]) -> str:
     """Digest of the server args that decide a rank's bytes (instance fields such as ports left out)."""
     relevant = {k: v for k, v in server_args.items() if k not in INSTANCE_FIELDS}
@@ -395,7 +422,9 @@ def server_args_field_names(version: str) -> frozenset[str]:
 
 def plan_fingerprint(server_args: Mapping[str, Any], field_names: frozenset[str] | set[str]) -> str:
     """Digest of the server args a rank context hands SGLang (its ServerArgs fields, instance fields left out)."""
-    return server_args_fingerprint(_sglang_field_values(server_args, set(field_names)))
+    return server_args_fingerprint(
+        {**_sglang_field_values(server_args, set(field_names)), **rollout_environment(server_args)}
+    )
 
 
 class RankContext:
@@ -409,6 +438,8 @@ class RankContext:
         self.server_args_in = dict(server_args)
         self.config_dir = checkpoint_config_dir(hf_config_dict(hf_config))
         self.hybrid_linear_attention = hybrid_linear_attention(hf_config_dict(hf_config))
+        self.environment = rollout_environment(server_args)
+        self._environment_set = None
         self._depth = 0
         with _LOCK:
             self._adapter = _GlobalsAdapter(self) if kind == "module_globals" else _RuntimeContextAdapter(self)
@@ -418,7 +449,7 @@ class RankContext:
     @property
     def fingerprint(self) -> str:
         """Digest of the server args handed to SGLang (see `plan_fingerprint`)."""
-        return server_args_fingerprint(self._adapter.fields_used)
+        return server_args_fingerprint({**self._adapter.fields_used, **self.environment})
 
     @property
     def key(self) -> tuple:
@@ -429,7 +460,14 @@ class RankContext:
         _LOCK.acquire()
         try:
             if self._depth == 0:
-                self._adapter.activate()
+                environment = _rollout_environment_set(self.environment)
+                environment.__enter__()
+                try:
+                    self._adapter.activate()
+                except BaseException:
+                    environment.__exit__(None, None, None)
+                    raise
+                self._environment_set = environment
             self._depth += 1
         except BaseException:
             _LOCK.release()
@@ -440,7 +478,10 @@ class RankContext:
         try:
             self._depth -= 1
             if self._depth == 0:
-                self._adapter.deactivate()
+                try:
+                    self._adapter.deactivate()
+                finally:
+                    self._environment_set.__exit__(None, None, None)
         finally:
             _LOCK.release()
 

@@ -244,7 +244,8 @@ def tiny_state_dict(
 ) -> dict[str, torch.Tensor]:
     """HF-named tensors for `cfg`: id-encoded (distinct integers) or random values. Random `init`: "small" is
     N(0, 0.02) everywhere (a layout test needs distinct values, not a working model); "model" is as a model is
-    initialised (norms 1, embeddings N(0, 1), other matrices N(0, 1/fan_in)), so every layer shapes the output:
+    initialised (norms 1, embeddings N(0, 1) or N(0, 1/hidden) when tied, other matrices N(0, 1/fan_in)), so every
+    layer shapes the output:
     with "small" the residual stream is the embedding and greedy tokens ignore attention and the experts (a tiny
     DeepSeek-V3 gave the same tokens for every weight set), which would make a generation check prove nothing."""
     if init not in ("small", "model"):
@@ -263,16 +264,18 @@ def tiny_state_dict(
             next_id += numel
         else:
             unit = torch.randn(shape, generator=gen, dtype=torch.float32)
-            t = unit * 0.02 if init == "small" else _model_init(name, unit)
+            t = unit * 0.02 if init == "small" else _model_init(name, unit, bool(cfg.get("tie_word_embeddings")))
         out[name] = t.to(dtype)
     return out
 
 
-def _model_init(name: str, unit: torch.Tensor) -> torch.Tensor:
-    """`unit` (N(0, 1) values) scaled as a model initialises tensor `name`."""
+def _model_init(name: str, unit: torch.Tensor, tied: bool = False) -> torch.Tensor:
+    """`unit` (N(0, 1) values) scaled as a model initialises tensor `name`. Tied embeddings (the LM head is the
+    embedding) are N(0, 1/hidden): at N(0, 1) a token's logit would be dominated by its own embedding's squared
+    norm in the residual stream, so the model would only repeat its last input token (seen at Qwen3-4B's shape)."""
     if name.endswith("norm.weight"):  # every RMSNorm / LayerNorm weight (input_layernorm, q_a_layernorm, model.norm)
         return torch.ones_like(unit)
-    if unit.dim() == 2 and "embed_tokens" not in name:
+    if unit.dim() == 2 and ("embed_tokens" not in name or tied):
         return unit / unit.shape[-1] ** 0.5
     if unit.dim() == 2:
         return unit

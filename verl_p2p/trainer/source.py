@@ -17,7 +17,7 @@ from typing import Any
 from verl_p2p.backend.topology import Assignment
 from verl_p2p.config import P2PConfig
 from verl_p2p.errors import P2PConfigError, P2PError
-from verl_p2p.planning.shared_experts import check_replica_fusion, rollout_fusion_args
+from verl_p2p.planning.shared_experts import check_replica_fusion, rollout_shared_expert_args
 
 logger = logging.getLogger(__name__)
 
@@ -91,16 +91,16 @@ class SourceSession:
         self.apply_error = None
         targets = []
         try:
-            server_infos = {}  # per target: the rollout's server args with its shared-experts fusion decision
+            server_infos = {}  # per target: the rollout's server args with its shared-expert decisions
             for target in assignment.targets:  # refusals first: nothing is allocated for a plan that cannot run
                 if target.engine in assignment.sessionless_engines:
                     self._refuse_without_sessions(
                         target, assignment.server_infos[target.engine], assignment.layouts[target]
                     )
-                server_infos[target] = rollout_fusion_args(
+                server_infos[target] = rollout_shared_expert_args(
                     self._rollout_hf_config(),
                     assignment.server_infos[target.engine],
-                    assignment.rank_infos[target].params,
+                    {n: p.numel for n, p in assignment.rank_infos[target].params.items()},
                     f"rollout engine {target.engine} rank {target.rank}",
                 )
             if assignment.targets:

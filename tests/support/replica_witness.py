@@ -8,24 +8,9 @@ DIR/TAG/derived{r}.pt (non-parameter tensors SGLang derived after loading, e.g. 
 rank 0, DIR/TAG/server_info.json (the resolved server args, as `/server_info` would serve them).
 """
 
-import contextlib
 import json
 import os
 import sys
-
-
-@contextlib.contextmanager
-def _environment(settings: dict):
-    saved = {k: os.environ.get(k) for k in settings}
-    os.environ.update(settings)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def main() -> None:
@@ -34,6 +19,7 @@ def main() -> None:
     import torch
 
     from verl_p2p.loopback.sglang_rank import build_sglang_rank_model
+    from verl_p2p.replica.rank_context import environment_set
 
     for phase in spec["phases"]:
         if rank >= phase["world"]:
@@ -41,7 +27,7 @@ def main() -> None:
         for job in phase["jobs"]:
             out = os.path.join(spec["out"], job["tag"])
             os.makedirs(out, exist_ok=True)
-            with _environment(job.get("env", {})):  # what the rollout's process was started with
+            with environment_set(job.get("env", {})):  # what the rollout's process was started with
                 model = build_sglang_rank_model(
                     job["model_path"], job["server_args"], rank, phase["world"], phase["init"]
                 )

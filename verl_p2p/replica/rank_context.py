@@ -332,14 +332,10 @@ def rollout_environment(server_args: Mapping[str, Any]) -> dict[str, bool]:
 
 
 @contextlib.contextmanager
-def _rollout_environment_set(settings: Mapping[str, bool]):
-    """SGLang reads these from the process environment when it builds a model: set each to the rollout's value
-    (never the trainer's own environment), restored on exit."""
-    from verl_p2p.planning.shared_experts import SHARED_TP1
-
-    wanted = {SHARED_TP1: "1" if settings.get(SHARED_TP1) else "0"}
-    saved = {k: os.environ.get(k) for k in wanted}
-    os.environ.update(wanted)
+def environment_set(settings: Mapping[str, str]):
+    """The process environment with `settings` while inside, each variable restored (or removed) on exit."""
+    saved = {k: os.environ.get(k) for k in settings}
+    os.environ.update(settings)
     try:
         yield
     finally:
@@ -348,6 +344,14 @@ def _rollout_environment_set(settings: Mapping[str, bool]):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def _rollout_environment_set(settings: Mapping[str, bool]):
+    """SGLang reads these from the process environment when it builds a model: each set to the rollout's value
+    (never the trainer's own environment) while inside."""
+    from verl_p2p.planning.shared_experts import SHARED_TP1
+
+    return environment_set({SHARED_TP1: "1" if settings.get(SHARED_TP1) else "0"})
 
 
 def server_args_fingerprint(server_args: Mapping[str, Any]) -> str:

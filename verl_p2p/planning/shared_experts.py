@@ -32,10 +32,15 @@ class SharedExpertsFusionMismatchError(RemoteMismatchError):
     """The rollout's shared-experts fusion disagrees with its server args or with the trainer's replica."""
 
 
+def _config_int(hf_config: Mapping[str, Any] | Any, key: str) -> int:
+    """An integer field of a config dict or a transformers config object (0 when absent or None)."""
+    value = hf_config.get(key) if isinstance(hf_config, Mapping) else getattr(hf_config, key, None)
+    return int(value or 0)
+
+
 def has_shared_experts(hf_config: Mapping[str, Any] | Any) -> bool:
     """Whether the model's MoE layers have a shared expert SGLang could fuse (`n_shared_experts` > 0)."""
-    get = hf_config.get if isinstance(hf_config, Mapping) else lambda k, d=None: getattr(hf_config, k, d)
-    return bool(get("n_shared_experts", 0) or 0) and bool(get("n_routed_experts", 0) or 0)
+    return bool(_config_int(hf_config, "n_shared_experts")) and bool(_config_int(hf_config, "n_routed_experts"))
 
 
 def fused_in(names: Iterable[str]) -> bool | None:
@@ -100,9 +105,8 @@ def shared_expert_tp1_in(
 ) -> bool | None:
     """From one rank's published sizes: True when its shared expert's gate_up weight is whole (tp_size 1),
     False when it is the 1/tp_size shard, None when it holds none (fused, no MoE layer) or tp_size is 1."""
-    get = hf_config.get if isinstance(hf_config, Mapping) else lambda k, d=None: getattr(hf_config, k, d)
-    rows = 2 * int(get("moe_intermediate_size", 0) or 0) * int(get("n_shared_experts", 0) or 0)
-    whole = rows * int(get("hidden_size", 0) or 0)
+    rows = 2 * _config_int(hf_config, "moe_intermediate_size") * _config_int(hf_config, "n_shared_experts")
+    whole = rows * _config_int(hf_config, "hidden_size")
     sizes = {n for name, n in published_numel.items() if name.endswith(SHARED_GATE_UP)}
     if tp_size <= 1 or not whole or not sizes:
         return None

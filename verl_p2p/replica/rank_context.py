@@ -443,7 +443,7 @@ class RankContext:
         self.config_dir = checkpoint_config_dir(hf_config_dict(hf_config))
         self.hybrid_linear_attention = hybrid_linear_attention(hf_config_dict(hf_config))
         self.environment = rollout_environment(server_args)
-        self._environment_set = None
+        self._installed = contextlib.ExitStack()  # what activation set, undone when the outermost `with` exits
         self._depth = 0
         with _LOCK:
             self._adapter = _GlobalsAdapter(self) if kind == "module_globals" else _RuntimeContextAdapter(self)
@@ -464,14 +464,11 @@ class RankContext:
         _LOCK.acquire()
         try:
             if self._depth == 0:
-                environment = _rollout_environment_set(self.environment)
-                environment.__enter__()
-                try:
+                with contextlib.ExitStack() as installing:  # a failed activation undoes what it set
+                    installing.enter_context(_rollout_environment_set(self.environment))
                     self._adapter.activate()
-                except BaseException:
-                    environment.__exit__(None, None, None)
-                    raise
-                self._environment_set = environment
+                    installing.callback(self._adapter.deactivate)
+                    self._installed = installing.pop_all()
             self._depth += 1
         except BaseException:
             _LOCK.release()
@@ -482,10 +479,7 @@ class RankContext:
         try:
             self._depth -= 1
             if self._depth == 0:
-                try:
-                    self._adapter.deactivate()
-                finally:
-                    self._environment_set.__exit__(None, None, None)
+                self._installed.close()  # the adapter's state, then the environment
         finally:
             _LOCK.release()
 

@@ -42,6 +42,12 @@ def test_demo_exits_0_with_every_step_bit_exact_and_quiet():
     assert step_rows(done.stdout) == {0: "bit-exact", 1: "bit-exact"}
     assert "MISMATCH" not in done.stdout
     assert "[demo] OK: 2 syncs" in done.stdout and "passed the rollout's weights_checker compare" in done.stdout
+    # the last line gives the syncs' own time (the table's "total s" column summed), apart from the start-up
+    last = re.search(r"^\[demo\] OK: 2 syncs, (\d+\.\d\d) s syncing \((\d+\.\d) s with start-up\)", done.stdout, re.M)
+    assert last, done.stdout[-500:]
+    totals = re.findall(r"^\s+\d+\s+x\d\.\d{3}\s+(?:yes|no)\s+(\d+\.\d{3})\s", done.stdout, re.M)
+    assert len(totals) == 2 and float(last.group(1)) == pytest.approx(sum(map(float, totals)), abs=0.01)
+    assert float(last.group(1)) < float(last.group(2))
     # quiet by default: progress while starting, no third-party lines; they went to the log it names
     assert noise(done.stdout + done.stderr) == [], noise(done.stdout + done.stderr)[:5]
     assert re.search(r"^\[demo\]\s+\d+\.\d s  trainer: ready$", done.stdout, re.M)

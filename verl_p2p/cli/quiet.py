@@ -1,11 +1,11 @@
 """Quiet command runs: a command's own lines on the terminal, everything else in a log file.
 
-The demo and the bench load SGLang, Megatron and Mooncake, which print import warnings, log lines, progress
-bars and even caught import tracebacks (Megatron's optional FP8 import), from this process and from the
-child processes it starts. `run_quietly` points file descriptors 1 and 2 at a log file, so C-level output and
-every child process (which inherits them) land there, and makes `sys.stdout` a router: what code of this
-package prints goes to the original stdout, what any other module prints goes to the log. It says where the
-log is and turns an exception into one line naming it and the log. With `verbose` nothing is redirected
+The demo, the bench and the plan load SGLang, Megatron and Mooncake, which print import warnings, log lines,
+progress bars and even caught import tracebacks (Megatron's optional FP8 import), from this process and from
+the child processes it starts. `run_quietly` points file descriptors 1 and 2 at a log file, so C-level output
+and every child process (which inherits them) land there, and makes `sys.stdout` and `sys.stderr` routers:
+what code of this package prints goes to the original stream, what any other module prints goes to the log.
+It says where the log is and turns an exception into one line naming it and the log. With `verbose` nothing is redirected
 and an exception propagates with its traceback.
 
 The descriptors stay on the log until the process exits, so shutdown noise (atexit handlers, resource
@@ -28,12 +28,14 @@ from typing import TextIO
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_quietly(command: str, verbose: bool, main: Callable[[], int]) -> int:
-    """Run `main()` (which prints its own lines to `sys.stdout`) with third-party output sent to a log file."""
+def run_quietly(command: str, verbose: bool, main: Callable[[], int], notice_on_stderr: bool = False) -> int:
+    """Run `main()` (which prints its own lines to `sys.stdout`/`sys.stderr`) with third-party output sent to a
+    log file. `notice_on_stderr`: say where the log is on stderr (a command whose stdout is data, e.g. JSON)."""
     if verbose:
         return main()
-    log_path = _redirect_to_log(command)
-    print(f"[{command}] third-party output (warnings, logs, child processes) goes to {log_path}; -v shows it here")
+    log_path, restore = _redirect_to_log(command)
+    notice = f"[{command}] third-party output (warnings, logs, child processes) goes to {log_path}; -v shows it here"
+    print(notice, file=sys.stderr if notice_on_stderr else sys.stdout, flush=True)
     try:
         return main()
     except KeyboardInterrupt:
@@ -46,10 +48,13 @@ def run_quietly(command: str, verbose: bool, main: Callable[[], int]) -> int:
         return 1
     finally:
         sys.stdout.flush()
+        sys.stderr.flush()
+        restore()
 
 
 class _Router(io.TextIOBase):
-    """`sys.stdout` of a quiet run: writes made by this package's code go to `console`, all others to `log`."""
+    """`sys.stdout` or `sys.stderr` of a quiet run: writes made by this package's code go to `console`, all
+    others to `log`."""
 
     def __init__(self, console: TextIO, log: TextIO):
         self.console, self.log = console, log
@@ -84,17 +89,33 @@ def _printed_by_us(frame) -> bool:
     return bool(caller) and os.path.abspath(caller).startswith(_PACKAGE_DIR + os.sep)
 
 
-def _redirect_to_log(command: str) -> str:
-    """fds 1 and 2 -> a new log file; `sys.stdout` -> the router. Returns the log path."""
+def _redirect_to_log(command: str) -> tuple[str, Callable[[], None]]:
+    """Send third-party output to a new log file; returns its path and what undoes the redirection.
+
+    A process whose streams are its own: fds 1 and 2 -> the log (C-level output and child processes too), for
+    good (nothing to undo). A caller that already replaced `sys.stdout`/`sys.stderr` (a test capturing output,
+    an embedding program): only those objects are routed, and restored afterwards."""
     sys.stdout.flush()
     sys.stderr.flush()
     fd, path = tempfile.mkstemp(prefix=f"verl-p2p-{command}-", suffix=".log")
+    if sys.stdout is not sys.__stdout__ or sys.stderr is not sys.__stderr__:
+        saved = sys.stdout, sys.stderr
+        log = os.fdopen(fd, "w", buffering=1, encoding="utf-8", errors="replace")
+        sys.stdout, sys.stderr = _Router(saved[0], log), _Router(saved[1], log)
+
+        def restore() -> None:
+            sys.stdout, sys.stderr = saved
+            log.close()
+
+        return path, restore
     console = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8", errors="replace")
+    console_err = os.fdopen(os.dup(2), "w", buffering=1, encoding="utf-8", errors="replace")
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
-    sys.stdout = _Router(console, sys.stdout)  # the old object writes to fd 1: the log now
-    return path
+    sys.stdout = _Router(console, sys.stdout)  # the old objects write to fds 1 and 2: the log now
+    sys.stderr = _Router(console_err, sys.stderr)
+    return path, lambda: None
 
 
 class Progress:

@@ -11,12 +11,18 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from verl_p2p.cli import USAGE_ERROR
+from verl_p2p.cli.plan_table import HEADER, source_lines
+from verl_p2p.cli.quiet import run_quietly
 from verl_p2p.errors import P2PError
 from verl_p2p.planning.hf_names import hf_tensor_specs
 from verl_p2p.planning.layout import layout_from_server_args
+from verl_p2p.planning.layout_rules import check_layouts
 from verl_p2p.planning.model_cards import MODEL_CARDS, PublishedSync, card_name_of, model_card, published_for
 from verl_p2p.planning.plan import SourceRank, build_transfer_plan, split_by_bytes
 from verl_p2p.planning.shared_experts import SHARED_TP1
@@ -51,35 +57,48 @@ def _abstract(args: argparse.Namespace) -> int:
     return 0
 
 
-def resolve_model(spec: str) -> tuple[str, dict, dict]:
-    """(label, HF config, HF specs {name: (shape, torch dtype)}) of a card name, a config.json or a checkpoint dir."""
-    import torch
+class UsageError(ValueError):
+    """Bad command-line input, found before anything heavy is imported: exit status 2."""
 
+
+def model_config(spec: str) -> tuple[str, dict, Path | None]:
+    """(label, HF config, checkpoint dir or None) of a card name, a config.json or a checkpoint dir. Imports no
+    torch, so a mistyped name is answered at once."""
     path = Path(spec).expanduser()
     if spec.lower() in MODEL_CARDS and not path.exists():
-        cfg = model_card(spec)
-        label = spec.lower()
-    elif path.is_dir() or path.is_file():
+        return spec.lower(), model_card(spec), None
+    if path.is_dir() or path.is_file():
         config_path = path / "config.json" if path.is_dir() else path
         try:
             cfg = json.loads(config_path.read_text())
         except (OSError, ValueError) as exc:
-            raise SystemExit(f"verl-p2p plan: cannot read the model config {config_path}: {exc}") from exc
-        label = str(path)
-        if path.is_dir() and any(path.glob("*.safetensors")):
-            from verl_p2p.trainer.hf_specs import hf_specs_from_checkpoint
+            raise UsageError(f"--model: cannot read the model config {config_path}: {exc}") from exc
+        return str(path), cfg, path if path.is_dir() else None
+    raise UsageError(
+        f"--model {spec!r} is neither a file, a directory nor a built-in card; give a config.json, a checkpoint "
+        f"directory or one of the cards: {', '.join(MODEL_CARDS)}"
+    )
 
-            return label, cfg, hf_specs_from_checkpoint(path)
-    else:
-        raise SystemExit(
-            f"verl-p2p plan: --model {spec!r} is neither a file, a directory nor a built-in card "
-            f"({', '.join(MODEL_CARDS)})"
-        )
+
+def resolve_model(spec: str) -> tuple[str, dict, dict]:
+    """(label, HF config, HF specs {name: (shape, torch dtype)}) of a card name, a config.json or a checkpoint dir."""
+    label, cfg, checkpoint = model_config(spec)
+    return label, cfg, model_specs(label, cfg, checkpoint)
+
+
+def model_specs(label: str, cfg: dict, checkpoint: Path | None) -> dict:
+    """HF specs {name: (shape, torch dtype)}: a checkpoint's safetensors headers, else listed from the config."""
+    import torch
+
+    if checkpoint is not None and any(checkpoint.glob("*.safetensors")):
+        from verl_p2p.trainer.hf_specs import hf_specs_from_checkpoint
+
+        return hf_specs_from_checkpoint(checkpoint)
     try:
         specs = {name: (shape, getattr(torch, dtype)) for name, shape, dtype in hf_tensor_specs(cfg)}
     except (KeyError, ValueError) as exc:
-        raise SystemExit(f"verl-p2p plan: cannot list the tensors of {label}: {exc}") from exc
-    return label, cfg, specs
+        raise UsageError(f"--model: cannot list the tensors of {label}: {exc}") from exc
+    return specs
 
 
 def fp8_rollout(cfg: dict, specs: dict) -> tuple[dict, dict]:
@@ -113,6 +132,11 @@ class Planner:
         layout = layout_from_server_args(server_args, rank)
         key = (json.dumps(server_args, sort_keys=True), layout.key)
         if key not in self._plans:
+            if not self.captures:
+                self._log(
+                    "[plan] write plans: read from the plan cache, else captured (SGLang's own model class built on "
+                    "the meta device, so no memory is used; the first capture also imports SGLang)"
+                )
             t0 = time.perf_counter()
             planned = plan_rank(self.cfg, server_args, layout, self.specs, self.cache)
             seconds = time.perf_counter() - t0
@@ -276,20 +300,9 @@ def _print_estimate(
     print(f"rollout {rollout.describe()}: {rollout.engines * rollout.tp} target ranks")
     sizes = sorted(set(est.target_bytes.values()))
     print(f"bytes per target rank (from the write plans): {', '.join(_gb(n) for n in sizes)}")
-    print(f"{'source':>6} {'stage':>5} {'wire':>9} {'convert':>9} {'wire s':>7} {'conv s':>7} {'pred s':>7}  links")
-    for s in est.sources:
-        parts = s.parts or [(0, 1)] * len(s.links)
-        links = (
-            " ".join(
-                f"e{t.engine}r{t.rank}{f'[{i + 1}/{k}]' if k > 1 else ''}:{_gb(n)}"
-                for (t, n), (i, k) in zip(s.links, parts, strict=True)
-            )
-            or "(idle)"
-        )
-        print(
-            f"{s.rank:>6} {s.pp_stage:>5} {_gb(s.wire_bytes):>9} {_gb(s.convert_bytes):>9} "
-            f"{s.wire_s:>7.3f} {s.convert_s:>7.3f} {s.predicted_s:>7.3f}  {links}"
-        )
+    print(HEADER)
+    for line in source_lines(est.sources, _gb):
+        print(line)
     slow = est.slowest
     print(
         f"slowest source {slow.rank} (stage {slow.pp_stage}): {_gb(slow.wire_bytes)} -> send floor "
@@ -329,10 +342,15 @@ def _published_line(p: PublishedSync) -> str:
     return f"{p.system}: {p.figure()} ({p.setting})"
 
 
-def run(argv: list[str]) -> int:
+EXAMPLE = "verl-p2p plan --model qwen3-30b-a3b --trainer tp=4,ep=8 --rollout tp=8,ep=8x4"
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="verl-p2p plan",
-        description="Source -> target assignment, bytes per link and a predicted sync time (from write plans).",
+        description="Source -> target assignment, bytes per link and a predicted sync time (from write plans). "
+        f"Pass --model with --trainer and --rollout, e.g. {EXAMPLE}; or --model alone for a built-in card's "
+        "published layouts.",
     )
     parser.add_argument("--model", help=f"config.json, checkpoint dir, or a card: {', '.join(MODEL_CARDS)}")
     parser.add_argument("--trainer", help="trainer layout, e.g. tp=4,pp=2,ep=8 (optional dp=)")
@@ -356,43 +374,112 @@ def run(argv: list[str]) -> int:
         help="what the rollout serves: the trainer's dtype (bf16) or its 128x128 block-FP8 checkpoint (fp8)",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    parser.add_argument("-v", "--verbose", action="store_true", help="show third-party output instead of logging it")
     parser.add_argument("--sources-per-stage", type=int, default=2, help="(without --model) sources per stage")
     parser.add_argument("--pp", type=int, default=1, help="(without --model) pipeline stages")
     parser.add_argument("--engines", default="2,2", help="(without --model) ranks per rollout engine")
+    return parser
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What one `verl-p2p plan --model` run plans, checked before torch or SGLang is imported."""
+
+    label: str
+    cfg: dict
+    checkpoint: Path | None
+    card: str | None
+    published: list[PublishedSync]
+    anchors: bool
+    trainer: Parallelism | None
+    rollout: Parallelism | None
+    convert_gbps: float
+    rollout_nic: float
+    slot_bytes: int
+
+
+def run(argv: list[str]) -> int:
+    parser = build_parser()
+    if not argv:
+        print(f"verl-p2p plan: give --model (and --trainer, --rollout), e.g. {EXAMPLE}\n", file=sys.stderr)
+        parser.print_help(sys.stderr)
+        return USAGE_ERROR
     args = parser.parse_args(argv)
     if not args.model:
         return _abstract(args)
     try:
-        return _run(parser, args)
+        request = check_request(args)
     except (ValueError, P2PError) as exc:
         print(f"verl-p2p plan: {exc}", file=sys.stderr)
-        return 2
+        return USAGE_ERROR
+    return run_quietly("plan", args.verbose, lambda: _refused_or(lambda: _run(args, request)), notice_on_stderr=True)
 
 
-def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+def _refused_or(body: Callable[[], int]) -> int:
+    """A model or layout p2p refuses once its tensors are known (FP8 block rules, say): one line, status 2."""
+    try:
+        return body()
+    except (ValueError, P2PError) as exc:
+        print(f"verl-p2p plan: {exc}", file=sys.stderr)
+        return USAGE_ERROR
+
+
+def check_request(args: argparse.Namespace) -> PlanRequest:
+    """Every check that needs no tensors: the model found, the layouts parsed and buildable by SGLang and
+    Megatron, the numbers positive (UsageError naming the option)."""
     try:
         trainer = parse_parallelism(args.trainer, TRAINER_KEYS) if args.trainer else None
         rollout = parse_parallelism(args.rollout, ROLLOUT_KEYS) if args.rollout else None
     except ValueError as exc:
-        parser.error(str(exc))
-    label, cfg, specs = resolve_model(args.model)
-    hf_specs = specs
-    if args.rollout_quant == "fp8":
-        cfg, specs = fp8_rollout(cfg, specs)
+        raise UsageError(str(exc)) from exc
+    label, cfg, checkpoint = model_config(args.model)
     card = card_name_of(cfg)
     published = published_for(card) if card else []
     anchors = args.anchors or (trainer is None and rollout is None and bool(published))
     if not anchors and (trainer is None or rollout is None):
-        parser.error("give --trainer and --rollout (or --anchors for a built-in card with published figures)")
+        raise UsageError("give --trainer and --rollout (or --anchors for a built-in card with published figures)")
     if anchors and not published:
-        parser.error(f"no published figures for {label}; give --trainer and --rollout")
+        raise UsageError(f"no published figures for {label}; give --trainer and --rollout")
     fp8 = args.rollout_quant == "fp8"
     measured = DEFAULT_FP8_CONVERT_GBPS if fp8 else DEFAULT_CONVERT_GBPS
     convert_gbps = args.convert_gbps if args.convert_gbps is not None else measured
     rollout_nic = args.rollout_nic_gbps if args.rollout_nic_gbps is not None else args.nic_gbps
     if args.nic_gbps <= 0 or rollout_nic <= 0 or convert_gbps <= 0 or args.bucket_mb <= 0:
-        parser.error("--nic-gbps, --rollout-nic-gbps, --convert-gbps and --bucket-mb must be positive")
-    slot_bytes = args.bucket_mb << 20
+        raise UsageError("--nic-gbps, --rollout-nic-gbps, --convert-gbps and --bucket-mb must be positive")
+    pairs = [(p.trainer, p.rollout) for p in published] if anchors else [(trainer, rollout)]
+    for t, r in pairs:
+        try:
+            trainer_sources(t)
+            rollout_server_args(r)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from exc
+        check_layouts(cfg, t, [r])
+    return PlanRequest(
+        label, cfg, checkpoint, card, published, anchors, trainer, rollout, convert_gbps, rollout_nic,
+        args.bucket_mb << 20,
+    )  # fmt: skip
+
+
+def _cache_text(cache: Any) -> str:
+    """Where the plan cache lives and how much it holds."""
+    if cache is None:
+        return "plan cache: off (--plan-cache-dir '')"
+    files = [f for f in cache.directory.glob("plan-*.json") if f.is_file()] if cache.directory.is_dir() else []
+    size = sum(f.stat().st_size for f in files)
+    return (
+        f"plan cache: {cache.directory} ({len(files)} plans, {_gb(size)}; --plan-cache-dir moves it, '' turns it off)"
+    )
+
+
+def _run(args: argparse.Namespace, request: PlanRequest) -> int:
+    trainer, rollout, published, anchors = request.trainer, request.rollout, request.published, request.anchors
+    label, cfg = request.label, request.cfg
+    specs = model_specs(label, cfg, request.checkpoint)
+    hf_specs = specs
+    if args.rollout_quant == "fp8":
+        cfg, specs = fp8_rollout(cfg, specs)
+    fp8 = args.rollout_quant == "fp8"
+    convert_gbps, rollout_nic, slot_bytes = request.convert_gbps, request.rollout_nic, request.slot_bytes
 
     from verl_p2p.replica.plan_cache import PlanCache
     from verl_p2p.sandbox.cpu_stubs import install_cpu_stubs
@@ -400,6 +487,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     install_cpu_stubs()  # SGLang's model classes import GPU kernels at import time; only captures need them
     cache = PlanCache.from_option(args.plan_cache_dir)
     planner = Planner(cfg, specs, cache, quiet=args.json)
+    planner._log(f"[plan] {_cache_text(cache)}")
     assumptions = _assumptions(args.nic_gbps, convert_gbps, args.convert_gbps is not None, slot_bytes, fp8, rollout_nic)
 
     def estimates(trainer: Parallelism, rollout: Parallelism) -> tuple[SyncEstimate, SyncEstimate]:
@@ -411,7 +499,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     out: dict[str, Any] = {
         "model": label,
-        "card": card,
+        "card": request.card,
         "num_hidden_layers": cfg.get("num_hidden_layers"),
         "hf_tensors": len(hf_specs),
         "hf_bytes": sum(_numel(s) * d.itemsize for s, d in hf_specs.values()),
@@ -445,6 +533,12 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         out["published"] = [{"system": p.system, "published": p.figure(), "setting": p.setting} for p in published]
     out["plans"] = planner.captures
     out["refused"] = sorted(planner.refusals)
+    captured = [c for c in planner.captures if not c["cached"]]
+    if captured:
+        planner._log(
+            f"[plan] {len(captured)} of {len(planner.captures)} write plans captured in "
+            f"{sum(c['seconds'] for c in captured):.1f} s; {_cache_text(cache)}"
+        )
     if args.json:
         print(json.dumps(out, indent=2, default=str))
         return 0

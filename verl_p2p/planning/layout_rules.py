@@ -9,7 +9,7 @@ the values that work. Pure: no I/O.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from verl_p2p.errors import UnsupportedLayoutError
@@ -122,6 +122,13 @@ def rollout_problems(shape: ModelShape, rollout: Parallelism) -> list[str]:
     return problems
 
 
+def rollout_tp_choices(shape: ModelShape, rollout: Parallelism) -> list[int]:
+    """Every tp that passes all of SGLang's rules with this rollout's ep and dp_attn (attention tp can split the
+    heads at most one per rank, so no tp beyond heads x dp_attn can)."""
+    top = shape.heads * rollout.dp_attn
+    return [v for v in range(1, top + 1) if not rollout_problems(shape, replace(rollout, tp=v))]
+
+
 def trainer_problems(shape: ModelShape, trainer: Parallelism) -> list[str]:
     """Why Megatron cannot build this trainer layout (empty: it can)."""
     tp, ep = trainer.tp, trainer.ep
@@ -152,7 +159,14 @@ def check_layouts(cfg: Mapping[str, Any], trainer: Parallelism | None, rollouts:
     shape = ModelShape.from_hf_config(cfg)
     problems = trainer_problems(shape, trainer) if trainer is not None else []
     for rollout in rollouts:
-        problems += rollout_problems(shape, rollout)
+        found = rollout_problems(shape, rollout)
+        choices = rollout_tp_choices(shape, rollout) if found else []
+        if choices:
+            found.append(
+                f"--rollout tp values that pass every rule with ep={rollout.ep}, dp_attn={rollout.dp_attn}: "
+                + ", ".join(map(str, choices))
+            )
+        problems += found
     if problems:
         raise UnsupportedLayoutError(
             "this layout cannot be built (refused before any capture):\n  - " + "\n  - ".join(dict.fromkeys(problems))

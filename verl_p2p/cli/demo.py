@@ -232,11 +232,7 @@ def _main(args: argparse.Namespace) -> int:
 
     install_cpu_stubs()
     with tempfile.TemporaryDirectory(prefix="verl-p2p-demo-") as tmp:
-        try:
-            return asyncio.run(_run(args, Path(tmp)))
-        except Exception as exc:  # noqa: BLE001 - the demo reports any failure as its exit status
-            print(f"[demo] FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)
-            raise
+        return asyncio.run(_run(args, Path(tmp)))  # a failure: run_quietly's one line, or (-v) the traceback
 
 
 if __name__ == "__main__":

@@ -5,8 +5,9 @@ progress bars and even caught import tracebacks (Megatron's optional FP8 import)
 the child processes it starts. `run_quietly` points file descriptors 1 and 2 at a log file, so C-level output
 and every child process (which inherits them) land there, and makes `sys.stdout` and `sys.stderr` routers:
 what code of this package prints goes to the original stream, what any other module prints goes to the log.
-It says where the log is and turns an exception into one line naming it and the log. With `verbose` nothing is redirected
-and an exception propagates with its traceback.
+It says where the log is and turns an exception into one line naming it and the log. With `verbose` nothing is
+redirected and an exception propagates with its traceback. A caller that already replaced `sys.stdout` and
+`sys.stderr` (a test capturing output) keeps its descriptors: only those objects are routed, and put back after.
 
 The descriptors stay on the log until the process exits, so shutdown noise (atexit handlers, resource
 trackers) lands there as well: use it around a command's `main`, not inside a library call.

@@ -2,8 +2,9 @@
 
     [while the rollout still generates: connect (cached) -> prepare (plan, the trainer's replicas, programs,
     slots, first-push check; a no-op when nothing changed)]
-    -> abort -> release KV (when the rollout frees it) -> [checker: snapshot + reset, once] -> begin session
-    -> recheck (the rank info re-read overlapped with abort..begin; changed: re-plan here, logged)
+    -> abort -> release KV (when the rollout frees it) -> [checker: snapshot + reset, first sync and re-arms]
+    -> begin session -> recheck (the rank info re-read, started once the abort was answered and overlapped with
+    release KV..begin; changed: re-plan here, logged)
     -> push [-> re-push the targets left unknown, `p2p_push_retries` times]
     -> per replica whose every target got all its bytes: bump version -> end session -> [checker: compare,
        until passed] -> resume KV -> flush prefix cache -> resume generation
@@ -33,9 +34,10 @@ rank, all in parallel) and compares a digest of the raw answer with the cached o
 parsed, and only a changed `RemoteRankInfo.fingerprint()` (session id, an address or a size) counts as a change.
 Server args are fetched once per engine and again only when its rank info changed (a restarted server) or the
 engine was re-added. A failed connect or prepare fails the sync before anything is paused. Inside the pause
-the rank info is read once more, overlapped with abort..begin (the recheck): a server that restarted after the
-first read is re-planned there, the reason logged and reported (`SyncReport.replanned_in_pause`), and goes through
-abort, release KV and begin again first (the restart may have come after this sync's abort reached it). A change
+the rank info is read once more, started once every abort was answered and overlapped with release KV..begin (the
+recheck): a server that restarted after the first read, even just before its abort arrived, is re-planned there,
+the reason logged and reported (`SyncReport.replanned_in_pause`), and goes through abort, release KV and begin
+again first (the restart may have come after this sync's abort reached it). A change
 yields a new `Connection` (a new `generation`, `changed_engines`); otherwise the same object comes back, so the
 push side re-plans only on change. A retry's Connection is `partial` (only the targets to re-push) and has a
 generation of its own.
@@ -333,15 +335,12 @@ class SyncLifecycle:
         except _Stop:  # nothing was paused: the rollout never noticed
             stale = [StaleReplica(a.engine, a.url, self._stale[a.engine]) for a in adapters if a.engine in self._stale]
             raise SyncError(version, run.failures, [], stale) from None
-        # Rank info is fixed for a server's lifetime: its re-read inside the pause (a server restarted since the
-        # read above) overlaps abort..begin; the decision is taken after begin.
         run.paused_at = time.perf_counter()
-        probing = asyncio.ensure_future(self._probe_all(adapters))
         stage = "prepare"
         resumed: list[P2PReplicaAdapter] = []
         try:
             try:
-                await self._prepare(run, adapters, probing, prepare)
+                await self._prepare(run, adapters, prepare)
             except _Stop:
                 pass
             if not run.failures:
@@ -351,9 +350,10 @@ class SyncLifecycle:
                 resumed = await self._finish(run, adapters, unknown)
                 stage = "done"
         finally:
-            if not probing.done():
-                probing.cancel()
-            await asyncio.wait([probing])
+            if run.probing is not None:
+                if not run.probing.done():
+                    run.probing.cancel()
+                await asyncio.wait([run.probing])
             if stage == "prepare":  # nothing was written: restore every replica (the stale ones stay paused)
                 await self._restore_all(run, adapters)
             elif stage != "done":  # interrupted (cancelled, or a bug) from the push on: bytes unknown everywhere
@@ -407,7 +407,7 @@ class SyncLifecycle:
     async def _recheck_in_pause(
         self, run: _Run, adapters: list[P2PReplicaAdapter], probing: asyncio.Future, prepare: Prepare | None
     ) -> None:
-        """The rank info re-read inside the pause (overlapped with abort..begin). Unchanged (the steady state and
+        """The rank info re-read inside the pause (overlapped with release KV..begin). Unchanged (the steady state and
         the first sync alike): nothing to do. Changed (a server restarted after the read before the pause):
         re-plan here, logged with the reason."""
         run.steps_in_pause.append("recheck")
@@ -417,7 +417,7 @@ class SyncLifecycle:
         run.stop_on(found)
         if not changed:
             return
-        run.connection, run.reconnected = connection, True
+        previous, run.connection, run.reconnected = run.connection, connection, True
         run.replanned_in_pause = (
             f"the rank info of engine(s) {sorted(connection.changed_engines)} changed between the read before the "
             "pause and the re-read inside it (a restarted server?)"
@@ -426,7 +426,9 @@ class SyncLifecycle:
         # a server that restarted after the abort reached it is generating and has no session: it goes through
         # the steps again (harmless where the restart came first and the abort and begin reached the new one)
         changed = [a for a in adapters if a.engine in connection.changed_engines]
-        _, found = await self._prepare_new_servers(run, changed, "restarted, inside the pause", maybe_released=True)
+        _, found = await self._prepare_new_servers(
+            run, changed, "restarted, inside the pause", previous, maybe_released=True
+        )
         run.stop_on(found)
         if prepare is not None:
             run.steps_in_pause.append("replan_in_pause")
@@ -434,23 +436,23 @@ class SyncLifecycle:
 
     # ---- before the push: all or nothing -----------------------------------------------------------------------
 
-    async def _prepare(
-        self, run: _Run, adapters: list[P2PReplicaAdapter], probing: asyncio.Future, prepare: Prepare | None = None
-    ) -> None:
+    async def _prepare(self, run: _Run, adapters: list[P2PReplicaAdapter], prepare: Prepare | None = None) -> None:
         """abort .. begin, then the rank-info recheck; raises _Stop when a step failed on any replica (nothing
-        was written)."""
+        was written). The recheck's read starts once every abort was answered, so a server that restarted
+        before its abort arrived is seen by it; it overlaps release KV, the checker's arm and begin."""
         run.stop_on(await run.step("abort", adapters, lambda a: a.pause()))
+        run.probing = asyncio.ensure_future(self._probe_all(adapters))
         if self.frees_kv:
             run.released = list(adapters)
             run.stop_on(await run.step("release_kv", adapters, lambda a: a.release_kv()))
         if self.checker is not None and self.checker.wants_arm:
-            run.reset = list(adapters)  # reset_tensors randomises weights: from here on, bytes have changed
+            run.reset = self.checker.arming(adapters)  # reset_tensors randomises them: from here, bytes changed
             run.stop_on(await self._timed_check(run, "check_arm", self.checker.arm, adapters))
         run.begun = list(adapters)
         found = await run.step("begin", adapters, self._begin)
         run.begin_failed = {f.engine for f in found}
         run.stop_on(found)
-        await self._recheck_in_pause(run, adapters, probing, prepare)
+        await self._recheck_in_pause(run, adapters, run.probing, prepare)
 
     async def _begin(self, adapter: P2PReplicaAdapter) -> None:
         """Begin the session; first end one an earlier sync could not. A begin that fails may still have opened
@@ -605,15 +607,21 @@ class SyncLifecycle:
         return partial, failures, {e for e in changed if e in partial.server_infos}
 
     async def _prepare_new_servers(
-        self, run: _Run, adapters: list[P2PReplicaAdapter], when: str, maybe_released: bool = False
+        self,
+        run: _Run,
+        adapters: list[P2PReplicaAdapter],
+        when: str,
+        previous: Connection | None,
+        maybe_released: bool = False,
     ) -> tuple[list[P2PReplicaAdapter], list[ReplicaFailure]]:
         """A restarted server (new rank info) through the normal path's steps before it is written: abort,
-        release KV, begin. Returns those that passed and the failures (their reasons noted). The new server
-        never saw the checker's snapshot: it is not compared. `maybe_released`: the restart may have come before
-        this sync's abort and release reached the new server, so a refused release means it holds none already
-        (logged); the begin after it still fails a server that does not answer."""
+        release KV, begin. Returns those that passed and the failures (their reasons noted). A server whose
+        transfer-engine session ids changed from `previous` is a new process that never saw the checker's
+        snapshot: it is not compared; other changes (an address, a size) keep the check. `maybe_released`: the
+        restart may have come before this sync's abort and release reached the new server, so a refused release
+        means it holds none already (logged); the begin after it still fails a server that does not answer."""
         for adapter in adapters:
-            if self.checker is not None:
+            if self.checker is not None and _sessions_changed(previous, self._connection, adapter.engine):
                 self.checker.forget(adapter.engine)
         live, failures = list(adapters), []
 
@@ -647,7 +655,9 @@ class SyncLifecycle:
         normal path's steps (abort, release KV, begin); one where a step fails is left out of the re-push
         (unknown, named). The new server never saw the checker's snapshot: it is not compared."""
         adapters = [self._adapters[e] for e in sorted(restarted)]
-        live, failures = await self._prepare_new_servers(run, adapters, f"restarted, before re-push {attempt}")
+        live, failures = await self._prepare_new_servers(
+            run, adapters, f"restarted, before re-push {attempt}", run.connection
+        )
         left_out = restarted - {a.engine for a in live}
         run.unprepared = set(left_out)  # a later re-push must prepare them first too
         targets = [t for t in retry.targets if t.engine not in left_out]
@@ -760,6 +770,7 @@ class _Run:
         self.paused_at: float | None = None  # when the abort was sent (None: still before the pause)
         self.steps_in_pause: list[str] = []  # the lifecycle's steps from the abort on, in order
         self.replanned_in_pause: str | None = None  # why the plan was redone inside the pause (None: it was not)
+        self.probing: asyncio.Future | None = None  # the recheck's rank-info read, started once the abort answered
 
     async def step(self, name: str, targets: Sequence[P2PReplicaAdapter], action) -> list[ReplicaFailure]:
         """`action` on every target in parallel; the failures, each naming its replica."""
@@ -809,6 +820,18 @@ def _unknown_after(error: BaseException, connection: Connection) -> set[TargetRa
 def _first_line(error: BaseException, limit: int = 300) -> str:
     text = str(error).strip().splitlines()
     return (text[0] if text else type(error).__name__)[:limit]
+
+
+def _sessions_changed(before: Connection | None, after: Connection | None, engine: int) -> bool:
+    """Whether `engine`'s transfer-engine session ids differ between two connections (a new server process);
+    unknown counts as changed."""
+    if before is None or after is None:
+        return True
+
+    def sessions(connection: Connection) -> dict[int, str]:
+        return {t.rank: i.session_id for t, i in connection.rank_infos.items() if t.engine == engine}
+
+    return sessions(before) != sessions(after)
 
 
 def _changed(known: Mapping[int, RankAnswer], answers: Mapping[int, RankAnswer]) -> bool:

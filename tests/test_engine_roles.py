@@ -218,6 +218,7 @@ def test_build_topology_sends_plans_and_info_only_when_they_change():
     assert first[0].stage_ranks == (0, 1) and first[2].stage_ranks == (2, 3)
     assert rollout_kwargs == {"ack": ["d0", "d0", None, None]}
     assert all(a.rank_infos.keys() == set(a.targets) for a in first)
+    assert not any(a.warm_up for a in first)  # built inside verl's pause: no warm-up read before the writes
 
     # next sync: every rank holds the plan, leaders send only their digest -> ints, no info resent
     held = [SourceMeta(s.rank, s.pp_stage, s.pp_size, generation) for s in sources]

@@ -379,7 +379,10 @@ def build_topology(
     for meta in leaders:
         DRIVER_CACHE.update_engine(meta)
     generation, assignments = DRIVER_CACHE.plan(sources, engines)
-    actor_kwargs = {"assignment": [generation if s.generation == generation else assignments[s.rank] for s in sources]}
+    # verl's stock manager calls this inside the pause: a trainer rank opens no connection by a read first (the
+    # writes open them, each target on its own lane)
+    fresh = {rank: dataclasses.replace(a, warm_up=False) for rank, a in assignments.items()}
+    actor_kwargs = {"assignment": [generation if s.generation == generation else fresh[s.rank] for s in sources]}
     rollout_kwargs = {"ack": [m["engine"].digest if m.get("p2p") == LEADER else None for m in rollouts]}
     return actor_kwargs, rollout_kwargs
 

@@ -146,7 +146,6 @@ class _Lane:
         self.writer = writer
         self.target = target
         self.jobs: queue.Queue[_Job | None] = queue.Queue()
-        self.busy = False
         self.thread = threading.Thread(target=self._run, name=f"p2p-write-e{target.engine}r{target.rank}", daemon=True)
         self.thread.start()
 
@@ -174,7 +173,6 @@ class _Lane:
                 job.holds_worker = True
                 w._inflight.add(job)
                 w.inflight.start(job.session_id, w.token)
-                self.busy = True
                 w._cond.notify_all()
             try:
                 w.transport.write(job.session_id, job.local, job.remote, job.lengths)
@@ -186,7 +184,6 @@ class _Lane:
             with w._cond:
                 w._give_back_worker(job)
                 w._inflight.discard(job)
-                self.busy = False
                 job.done = True
                 if job.error is not None:
                     w._fail(job, job.error)

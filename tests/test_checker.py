@@ -97,17 +97,17 @@ def test_a_timed_out_compare_is_rearmed_by_the_next_sync(fakes):
     snapshot once its compare passed there, so comparing again against the first snapshot can never pass (a
     permanent stale trap before the fix); the next sync snapshots, resets and compares again, and resumes it."""
     servers = fakes(1)
-    lifecycle = lifecycle_for(servers, http_timeout=0.5)
+    lifecycle = lifecycle_for(servers, http_timeout=2.0)
 
     async def slow_compare(connection):
         servers[0].write()
-        servers[0].delay("weights_checker", 1.0)  # the compare after this push answers too late
+        servers[0].delay("weights_checker", 3.0)  # the compare after this push answers too late
 
     with pytest.raises(SyncError, match="compare failed on engine 0") as info:
         asyncio.run(lifecycle.sync(1, slow_compare))
     assert info.value.stale_engines == [0]
     servers[0].delays.clear()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 10
     while servers[0].checker != "compared" and time.monotonic() < deadline:  # the server finishes it meanwhile
         time.sleep(0.05)
     report = asyncio.run(lifecycle.sync(2, writer(servers)))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import pytest
 
@@ -14,7 +15,7 @@ from verl_p2p.rollout.lifecycle import SyncError, SyncLifecycle
 
 
 def lifecycle_for(servers, resumed: bool = False, **options) -> SyncLifecycle:
-    config = P2PConfig(http_timeout=5.0, check_weight_update_equal=True, **options)
+    config = P2PConfig(**{"http_timeout": 5.0, **options}, check_weight_update_equal=True)
     adapters = [
         P2PReplicaAdapter(i, s.url, bootstrap_url=s.bootstrap_url, config=config) for i, s in enumerate(servers)
     ]
@@ -69,9 +70,10 @@ def test_compare_failure_raises_naming_the_replica(fakes):
         assert not (server.paused or server.kv_released or server.session_open)
 
 
-def test_a_failed_compare_is_compared_again_until_it_passes(fakes):
-    """Review defect 8: the next sync rewrites the replica whose compare failed with the same (wrong) bytes; it
-    must be compared again and stay stale, not resumed because the check already ran once."""
+def test_a_failed_compare_is_rearmed_and_compared_again_until_it_passes(fakes):
+    """Review defect 8 (earlier review) and finding 8: the next sync rewrites the replica whose compare failed with
+    the same (wrong) bytes; it must be checked again and stay stale, not resumed because the check already ran
+    once; and checked against a snapshot of its own (re-armed: snapshot + reset), not the first one."""
     servers = fakes(2)
     servers[1].compare_error = "model.layers.0.mlp.weight: values differ from the snapshot"  # a wrong write
     lifecycle = lifecycle_for(servers)
@@ -79,19 +81,77 @@ def test_a_failed_compare_is_compared_again_until_it_passes(fakes):
         with pytest.raises(SyncError, match="compare failed on engine 1") as info:
             asyncio.run(lifecycle.sync(version, writer(servers)))
         assert info.value.stale_engines == [1] and servers[1].paused  # before the fix: sync 2 resumed it
-    assert [b["action"] for b in servers[1].bodies["weights_checker"]] == [
-        "snapshot",
-        "reset_tensors",
-        "compare",
-        "compare",
-    ]
+    armed_twice = ["snapshot", "reset_tensors", "compare", "snapshot", "reset_tensors", "compare"]
+    assert [b["action"] for b in servers[1].bodies["weights_checker"]] == armed_twice
     assert [b["action"] for b in servers[0].bodies["weights_checker"]] == ["snapshot", "reset_tensors", "compare"]
     servers[1].compare_error = None  # the write is fixed
     report = asyncio.run(lifecycle.sync(3, writer(servers)))
     assert report.recovered_engines == [1] and not servers[1].paused
     assert lifecycle.checker.state == "done"
     asyncio.run(lifecycle.sync(4, writer(servers)))
-    assert len(servers[1].bodies["weights_checker"]) == 5  # passed once: not compared again
+    assert len(servers[1].bodies["weights_checker"]) == 9  # passed once: not checked again
+
+
+def test_a_timed_out_compare_is_rearmed_by_the_next_sync(fakes):
+    """Finding 8: a compare that passed on the server but answered after http_timeout. SGLang drops a rank's
+    snapshot once its compare passed there, so comparing again against the first snapshot can never pass (a
+    permanent stale trap before the fix); the next sync snapshots, resets and compares again, and resumes it."""
+    servers = fakes(1)
+    lifecycle = lifecycle_for(servers, http_timeout=2.0)
+
+    async def slow_compare(connection):
+        servers[0].write()
+        servers[0].delay("weights_checker", 3.0)  # the compare after this push answers too late
+
+    with pytest.raises(SyncError, match="compare failed on engine 0") as info:
+        asyncio.run(lifecycle.sync(1, slow_compare))
+    assert info.value.stale_engines == [0]
+    servers[0].delays.clear()
+    deadline = time.monotonic() + 10
+    while servers[0].checker != "compared" and time.monotonic() < deadline:  # the server finishes it meanwhile
+        time.sleep(0.05)
+    report = asyncio.run(lifecycle.sync(2, writer(servers)))
+    assert report.recovered_engines == [0] and not servers[0].paused
+    actions = ["snapshot", "reset_tensors", "compare", "snapshot", "reset_tensors", "compare"]
+    assert [b["action"] for b in servers[0].bodies["weights_checker"]] == actions
+    assert lifecycle.checker.state == "done"
+
+
+def test_a_rank_info_change_keeping_the_sessions_keeps_the_check(fakes):
+    """Finding 8: an engine whose rank info changed inside the pause but whose transfer-engine sessions did not is
+    the same server process (its weights were just reset by the checker): it is still compared. Before the fix
+    any change forgot it, and the check of its random weights silently vanished."""
+    servers = fakes(2)
+    lifecycle = lifecycle_for(servers)
+
+    async def move_a_parameter(connection):  # once, after the read before the pause: the recheck sees it
+        if connection.generation > 1:
+            return
+        with servers[1].lock:
+            servers[1].rank_info[0][1]["model.layers.0.mlp.weight"][0] += 1 << 20
+            servers[1]._encoded.clear()
+
+    report = asyncio.run(lifecycle.sync(1, writer(servers), prepare=move_a_parameter))
+    assert report.replanned_in_pause is not None
+    assert [b["action"] for b in servers[1].bodies["weights_checker"]] == ["snapshot", "reset_tensors", "compare"]
+    assert lifecycle.checker.state == "done"
+
+
+def test_a_server_restarted_in_the_pause_is_not_compared(fakes):
+    """A new transfer-engine session inside the pause is a new server process that never saw the snapshot: it is
+    not compared (its compare would fail on a missing snapshot); the others are."""
+    servers = fakes(2)
+    lifecycle = lifecycle_for(servers)
+
+    async def restart(connection):  # once, after the read before the pause: the recheck sees it
+        if servers[1].rank_info[0][0] != "127.0.0.1:19300":
+            servers[1].restart({0: "127.0.0.1:19300"})
+
+    report = asyncio.run(lifecycle.sync(1, writer(servers), prepare=restart))
+    assert report.replanned_in_pause is not None
+    assert [b["action"] for b in servers[1].bodies["weights_checker"]] == ["snapshot", "reset_tensors"]
+    assert [b["action"] for b in servers[0].bodies["weights_checker"]] == ["snapshot", "reset_tensors", "compare"]
+    assert lifecycle.checker.state == "done"
 
 
 def test_server_message_of_a_mismatch_is_passed_on(fakes):

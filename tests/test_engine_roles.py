@@ -218,6 +218,7 @@ def test_build_topology_sends_plans_and_info_only_when_they_change():
     assert first[0].stage_ranks == (0, 1) and first[2].stage_ranks == (2, 3)
     assert rollout_kwargs == {"ack": ["d0", "d0", None, None]}
     assert all(a.rank_infos.keys() == set(a.targets) for a in first)
+    assert not any(a.warm_up for a in first)  # built inside verl's pause: no warm-up read before the writes
 
     # next sync: every rank holds the plan, leaders send only their digest -> ints, no info resent
     held = [SourceMeta(s.rank, s.pp_stage, s.pp_size, generation) for s in sources]
@@ -382,9 +383,9 @@ def test_rollout_leader_runs_its_part_of_the_sync(server):
     assert server.weight_version == "11" and not server.session_open
     assert not server.cache_stale  # flushed in finalize: verl resumes generation right after it
 
-    again = engine.prepare()["engine"]  # acknowledged: only the digest travels, rank info is not re-read
+    again = engine.prepare()["engine"]  # acknowledged and unchanged: only the digest travels
     assert again == EngineMeta(2, published.digest, sessions=True)  # sessions: known once begin was sent
-    assert server.bootstrap_calls.count("get_transfer_engine_info") == 2
+    assert server.bootstrap_calls.count("get_transfer_engine_info") == 4  # re-read: one GET per rank
     engine.receive_weights(global_steps=12)
     engine.finalize()
     sync = ["begin_weight_update", "push", "update_weight_version", "end_weight_update", "flush_cache"]
@@ -446,8 +447,33 @@ def test_rollout_leader_rereads_rank_info_after_a_failed_sync(server):
     engine.finalize()
     assert server.weight_version == "2" and not server.session_open
     calls = server.bootstrap_calls.count("get_transfer_engine_info")
-    assert engine.prepare()["engine"] == EngineMeta(2, again.digest, sessions=True)  # finalized: not re-read
-    assert server.bootstrap_calls.count("get_transfer_engine_info") == calls
+    assert engine.prepare()["engine"] == EngineMeta(2, again.digest, sessions=True)  # unchanged: digest only
+    assert server.bootstrap_calls.count("get_transfer_engine_info") == calls + 2  # one GET per rank, no more
+
+
+def test_rollout_leader_rereads_rank_info_after_a_good_sync(server):
+    """Review finding 9: the scheduler restarts between two syncs that both went through finalize. The next
+    prepare re-reads every rank's info (one GET per rank), sees the digest change and publishes the new sessions
+    with the server args; before the fix it sent the acknowledged digest and the trainer wrote the old addresses."""
+    worker = leader()
+    engine = worker.checkpoint_engine
+    first = engine.prepare()["engine"]
+    engine.init_process_group(ack=first.digest)
+    server.write()
+    engine.receive_weights(global_steps=1)
+    engine.finalize()
+    server.restart({0: "127.0.0.1:19010", 1: "127.0.0.1:19011"})
+    server.paused = True  # verl's manager aborts before prepare
+    infos = server.calls.count("server_info") + server.calls.count("get_server_info")
+    again = engine.prepare()["engine"]
+    assert again.digest != first.digest and again.server_info is not None
+    assert [again.rank_infos[r].session_id for r in (0, 1)] == ["127.0.0.1:19010", "127.0.0.1:19011"]
+    assert server.calls.count("server_info") + server.calls.count("get_server_info") == infos + 1  # args re-read
+    engine.init_process_group(ack=again.digest)
+    server.write()
+    engine.receive_weights(global_steps=2)
+    engine.finalize()
+    assert server.weight_version == "2" and not server.session_open
 
 
 def test_rollout_leader_refuses_a_server_that_does_not_publish(server):

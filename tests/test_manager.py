@@ -293,3 +293,14 @@ def test_the_plan_round_runs_before_the_pause(setup, fakes):
         before = journal[:start]
         assert ("init_process_group" in before) == (step == 1) and ("prepare" in before) == (step == 1)
         assert metrics["checkpoint_engine/p2p/phase/paused_s"] < metrics["checkpoint_engine/p2p/phase/total_s"]
+
+
+def test_a_plan_handed_out_inside_the_pause_opens_no_connection_first(setup, fakes):
+    """Review finding 2: a trainer rank opens its targets' connections by a read at apply, before the pause; the
+    re-push's plan, handed out inside the pause, says not to (`warm_up=False`): the read would only delay it."""
+    manager, actors, _ = setup
+    manager.update_weights(global_steps=1)
+    SourceSessionStandIn.fail_with = RuntimeError("write to 10.0.0.1:17000 timed out")
+    with pytest.raises(SyncError):
+        manager.update_weights(global_steps=2)  # the push and its re-push fail
+    assert [a.warm_up for a in actors.engines[0]._session.applied] == [True, False]

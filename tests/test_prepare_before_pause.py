@@ -181,3 +181,29 @@ def test_a_plan_made_before_the_first_begin_expects_what_the_release_says_about_
         assert adapters[0].sessions_expected is False and adapters[0].sessions_supported is False
     finally:
         old.stop()
+
+
+def test_a_restart_between_the_recheck_read_and_the_abort_is_replanned_in_the_pause(fakes):
+    """Review finding 7: engine 1 restarts its transfer engine while this sync's abort is on its way (the rank info
+    changes just before the abort is handled). The recheck's read must come after the abort was answered, so it
+    sees the new session and the push writes it with a plan made for it (before the fix the read raced the
+    abort, saw the old session, and the push used the old plan)."""
+    servers, journal, adapters, cfg = setup(fakes)
+    lifecycle = SyncLifecycle(adapters, cfg)
+    planned: list[Connection] = []
+    prepare, push = callbacks(servers, journal, planned)
+    asyncio.run(lifecycle.sync(1, push, prepare=prepare))
+    original = servers[1]._r_pause_generation
+
+    def restart_then_abort(method, query, body):
+        servers[1].rank_info[0][0] = "127.0.0.1:19200"  # the restart lands just before the abort is handled
+        return original(method, query, body)
+
+    servers[1]._r_pause_generation = restart_then_abort
+    servers[1].delay("pause_generation", 0.3)  # the abort arrives late: a read racing it answers first
+    journal.clear()
+    report = asyncio.run(lifecycle.sync(2, push, prepare=prepare))
+    assert report.replanned_in_pause is not None and "engine(s) [1] changed" in report.replanned_in_pause
+    assert planned[-1].rank_infos[planned[-1].targets[2]].session_id == "127.0.0.1:19200"
+    assert "abort (restarted, inside the pause)" in report.steps_in_pause
+    assert [s.weight_version for s in servers] == ["2", "2"]

@@ -7,14 +7,17 @@ Stand-in: verl's Megatron engine and its stage exporter (the HF stream is the ti
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import time
 from types import SimpleNamespace
 
 import pytest
 
 from verl_p2p.backend.topology import Assignment
 from verl_p2p.config import P2PConfig
+from verl_p2p.errors import TransferError
 from verl_p2p.planning.layout import layout_from_server_args
 from verl_p2p.planning.targets import TargetRank
 
@@ -191,3 +194,67 @@ def test_engines_differing_in_any_byte_relevant_arg_get_their_own_replica(model,
     other = session._replica(dict(SERVER_ARGS, moe_dense_tp_size=1), layout)
     assert other is not first and other.key != first.key
     assert other.key[2] == other.ctx.fingerprint  # the key is the rank context's own
+
+
+def test_warm_up_reads_into_scratch_of_its_own_and_never_inside_the_pause(model, receiver, monkeypatch):
+    """Review finding 2: the read that opens a target's connection before the pause lands in a small registered
+    scratch buffer, never in a transfer slot (a failed read may land late, over a parameter loaded there); a plan
+    handed out inside the pause (`warm_up=False`: a re-push's) reads nothing."""
+    from verl_p2p.transfer.mooncake import MooncakeTransport
+
+    handle, _ = receiver
+    _, path, _ = model
+    reads, read = [], MooncakeTransport.read
+    monkeypatch.setattr(
+        MooncakeTransport, "read", lambda self, sid, local, *a: (reads.append(local[0]), read(self, sid, local, *a))[1]
+    )
+    session, _ = make_session(model, monkeypatch)
+    try:
+        session.apply(assignment(1, handle, path))
+        assert session.apply_error is None and len(reads) == 1
+        slots = [(s.addr, s.addr + s.nbytes) for s in session.buffers.slots]
+        assert not any(lo <= reads[0] < hi for lo, hi in slots)  # before the fix: slot 0's address
+        assert reads[0] == session.buffers.scratch()
+        session.apply(dataclasses.replace(assignment(2, handle, path), warm_up=False))
+        assert session.apply_error is None and len(reads) == 1  # inside the pause: no read
+        session.push()
+    finally:
+        session.close()
+
+
+def test_a_write_still_in_flight_keeps_its_target_failed_across_plan_generations(
+    model, receiver, monkeypatch, tmp_path
+):
+    """Review finding 3: a write blocked in Mooncake (frozen receiver) outlives its push and its Writer; the next
+    plan generation's Writer must not write that target while the old call can still land over the new bytes.
+    Once the call returned, the target is written again as usual."""
+    handle, nbytes = receiver
+    _, path, _ = model
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "60")  # Mooncake's own give-up far past ours: the call stays blocked
+    session, _ = make_session(model, monkeypatch, p2p_transfer_timeout=1.0)
+    session_id = handle.remote_info().session_id
+    try:
+        session.apply(assignment(1, handle, path))
+        session.push()  # connected; every byte landed
+        handle.freeze()
+        try:
+            with pytest.raises(TransferError, match="timed out after 1 s"):
+                session.push()
+            session.apply(assignment(2, handle, path))  # a re-plan: a new Writer (before the fix: a fresh state)
+            with pytest.raises(TransferError) as err:
+                session.push()
+            assert "still in flight" in str(err.value) and "engine 0 rank 0" in str(err.value)
+            assert session.inflight.busy(session_id)  # the first push's call: still blocked inside Mooncake
+        finally:
+            handle.thaw()
+        deadline = time.monotonic() + 60
+        while session.inflight.busy(session_id) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not session.inflight.busy(session_id)
+        handle.fill()
+        session.apply(assignment(3, handle, path))
+        assert session.push().total_bytes == sum(nbytes.values())
+        written = handle.dump(str(tmp_path / "dump.pt"))
+        assert [n for n, t in written.items() if bool((t == 0xFF).all())] == []
+    finally:
+        session.close()

@@ -6,7 +6,8 @@ verl's stock CheckpointEngineManager drives every sync the same way: abort and r
 KV and generation. Here:
 
 - `prepare`: trainer rank: report its rank, PP stage and the plan generation it holds. Rollout leader (rank 0
-  of a replica): [check: snapshot + reset, once], begin the session, publish rank info until acknowledged.
+  of a replica): re-read its ranks' info (one GET each; a changed digest publishes it again), [check: snapshot +
+  reset, first sync and re-arms], begin the session, publish rank info until acknowledged.
   Rollout follower: report its replica.
 - `build_topology` (driver): plan every target onto one source per stage; send a trainer rank its assignment
   only when it changed, and each leader the acknowledgement of its rank info.
@@ -105,6 +106,7 @@ class P2PCheckpointEngine(CheckpointEngine):
         self._adapter: Any = None  # rollout.adapter.P2PReplicaAdapter, leader only
         self._checker: Any = None
         self._published: EngineMeta | None = None
+        self._answers: Mapping[int, Any] | None = None  # rank -> RankAnswer behind `_published`
         self._acked: str | None = None
         self._in_sync = False  # between a leader's prepare and finalize
         self._session_open = False  # a begin was sent and no end has succeeded since (a failed end keeps it)
@@ -267,6 +269,8 @@ class P2PCheckpointEngine(CheckpointEngine):
             self._session_open = False
         if self._published is None or not self._finalized:  # after a failed sync: the server may have restarted
             await self._leader_publish(adapter)
+        else:  # every sync: a scheduler restarted since the last good one publishes new sessions and addresses
+            await self._leader_recheck(adapter)
         self._finalized = False
         if self._checker.wants_arm:
             await self._checker.arm([adapter])
@@ -299,10 +303,19 @@ class P2PCheckpointEngine(CheckpointEngine):
 
             adapter.client.bootstrap_url = normalize_url(bootstrap)
         answers = await adapter.rank_answers()
-        digest = hashlib.blake2b(
-            repr(sorted((r, a.digest) for r, a in answers.items())).encode(), digest_size=16
-        ).hexdigest()
-        self._published = EngineMeta(adapter.engine, digest, dict(info), {rank: a.info for rank, a in answers.items()})
+        self._answers = answers
+        self._published = EngineMeta(
+            adapter.engine, _answers_digest(answers), dict(info), {rank: a.info for rank, a in answers.items()}
+        )
+
+    async def _leader_recheck(self, adapter: Any) -> None:
+        """Re-read every rank's info (one GET per rank, in parallel) and compare the raw answers' digest with the
+        published one, as the manager path does each sync; a change is a restarted server: publish it again
+        (server args too), so the trainer never writes the old addresses."""
+        answers = await adapter.rank_answers(self._answers)
+        if _answers_digest(answers) != self._published.digest:
+            logger.warning("p2p: %s: its rank info changed since the last sync (a restart?): publishing it", adapter)
+            await self._leader_publish(adapter)
 
     async def _leader_finalize(self) -> None:
         adapter = self._adapter
@@ -321,6 +334,11 @@ class P2PCheckpointEngine(CheckpointEngine):
 
 
 register_engine(P2PCheckpointEngine)
+
+
+def _answers_digest(answers: Mapping[int, Any]) -> str:
+    """One digest of every rank's raw rank-info answer (`RankAnswer.digest`): equal digests, nothing changed."""
+    return hashlib.blake2b(repr(sorted((r, a.digest) for r, a in answers.items())).encode(), digest_size=16).hexdigest()
 
 
 def _outcome(error: BaseException, rank: int) -> str:
@@ -361,7 +379,10 @@ def build_topology(
     for meta in leaders:
         DRIVER_CACHE.update_engine(meta)
     generation, assignments = DRIVER_CACHE.plan(sources, engines)
-    actor_kwargs = {"assignment": [generation if s.generation == generation else assignments[s.rank] for s in sources]}
+    # verl's stock manager calls this inside the pause: a trainer rank opens no connection by a read first (the
+    # writes open them, each target on its own lane)
+    fresh = {rank: dataclasses.replace(a, warm_up=False) for rank, a in assignments.items()}
+    actor_kwargs = {"assignment": [generation if s.generation == generation else fresh[s.rank] for s in sources]}
     rollout_kwargs = {"ack": [m["engine"].digest if m.get("p2p") == LEADER else None for m in rollouts]}
     return actor_kwargs, rollout_kwargs
 

@@ -20,6 +20,7 @@ rank info for the new engines alone and re-plans; engines already connected are 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import logging
 from collections.abc import Sequence
@@ -154,6 +155,8 @@ class P2PCheckpointEngineManager(CheckpointEngineManager):
             self._generation,
             sessionless,
         )
+        if in_pause:  # the rollout is paused: the trainer must not open connections by a read first
+            assignments = {rank: dataclasses.replace(a, warm_up=False) for rank, a in assignments.items()}
         await self._on_trainer(
             self.actor_wg.execute_checkpoint_engine(
                 method=["init_process_group"] * len(sources), assignment=[assignments[s.rank] for s in sources]

@@ -69,6 +69,9 @@ class Assignment:
     # target -> (part index, part count): this rank writes only that part of the target's parameters (several
     # ranks of the stage share the target: `planning.plan.split_by_bytes`); absent: all of them
     parts: Mapping[TargetRank, tuple[int, int]] = field(default_factory=dict)
+    # whether the trainer may open its targets' connections at apply, by a read: False for a plan handed out inside
+    # the pause (a re-push's, or one the pause changed), where the read would only delay the writes
+    warm_up: bool = True
 
     @property
     def is_source(self) -> bool:

@@ -10,16 +10,18 @@ from 0.5.13. `/weight_version` answers 404 ("deprecated, use /model_info") from 
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
+
+from verl_p2p.sglang_versions import CHECKER_QUANT_ERROR_SINCE, CHECKER_SKIP_LIST_SINCE, SESSIONS_SINCE, parse_release
 
 
 def parse_version(text: str) -> tuple[int, int, int]:
-    """`"0.5.12"`, `"0.5.23.post1"`, `"0.5.22rc0"` -> (0, 5, 12) ...; raises ValueError on anything else."""
-    match = re.match(r"^\s*(\d+)\.(\d+)(?:\.(\d+))?", text)
-    if not match:
+    """`"0.5.12"`, `"0.5.23.post1"`, `"0.5.22rc0"` -> (0, 5, 12) ... (`sglang_versions.parse_release`, the one
+    parser); raises ValueError on anything else: a loopback engine must be told a real release."""
+    release = parse_release(text)
+    if release is None:
         raise ValueError(f"not an SGLang version: {text!r}")
-    return int(match.group(1)), int(match.group(2)), int(match.group(3) or 0)
+    return release
 
 
 def installed_sglang_version() -> str:
@@ -47,9 +49,9 @@ class Features:
         v = parse_version(version)
         return cls(
             version=version,
-            weight_update_session=v >= (0, 5, 21),
-            checker_allow_quant_error=v >= (0, 5, 15),
-            checker_skip_tensor_list=v >= (0, 5, 21),
+            weight_update_session=v >= SESSIONS_SINCE,
+            checker_allow_quant_error=v >= CHECKER_QUANT_ERROR_SINCE,
+            checker_skip_tensor_list=v >= CHECKER_SKIP_LIST_SINCE,
             weight_version_route=v < (0, 5, 12),
             compare_drops_snapshot=v >= (0, 5, 21),
             checksum_per_gpu=v >= (0, 5, 13),

@@ -17,9 +17,11 @@ from verl_p2p.errors import UnsupportedLayoutError
 from verl_p2p.planning.layout import RankLayout
 from verl_p2p.replica.derived import derivations_of_class
 from verl_p2p.replica.rank_context import RankContext
+from verl_p2p.sglang_versions import SESSIONS_SINCE as SESSIONS_RELEASE
+from verl_p2p.sglang_versions import release_text
 
 POST_LOAD = "post_load_weights"  # what SGLang's loader calls on the model after loading (hasattr check)
-SESSIONS_SINCE = "0.5.21"  # first release with /begin_weight_update and /end_weight_update
+SESSIONS_SINCE = release_text(SESSIONS_RELEASE)  # first release with /begin_weight_update and /end_weight_update
 
 
 # SGLang model classes p2p cannot plan for, with what stops it (SGLang 0.5.23 sources; the test that pins each stop

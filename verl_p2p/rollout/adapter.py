@@ -17,6 +17,7 @@ from verl_p2p.config import P2PConfig
 from verl_p2p.planning.layout import RankLayout, check_server_info, layout_from_server_args
 from verl_p2p.planning.targets import RemoteRankInfo
 from verl_p2p.rollout.client import RankAnswer, RolloutCallError, SGLangClient, normalize_url
+from verl_p2p.sglang_versions import has_sessions
 
 DEFAULT_BOOTSTRAP_PORT = 6789  # SGLang's ServerArgs.engine_info_bootstrap_port default (0.5.12 - 0.5.23)
 FLUSH_BUSY = 400  # SGLang's /flush_cache answer while requests still run or wait
@@ -79,16 +80,11 @@ class P2PReplicaAdapter:
 
     @property
     def sessions_expected(self) -> bool | None:
-        """`sessions_supported` once known, else what the server's release says (sessions came in SGLang 0.5.21):
+        """`sessions_supported` once known, else what the server's release says (`sglang_versions.SESSIONS_SINCE`):
         what a plan made before the first begin assumes, so the begin's answer does not re-plan in the pause."""
         if self.client.sessions_supported is not None:
             return self.client.sessions_supported
-        from packaging.version import InvalidVersion, Version
-
-        try:
-            return Version(str(self.server_version)) >= Version("0.5.21") if self.server_version else None
-        except InvalidVersion:
-            return None
+        return has_sessions(self.server_version)
 
     # ---- lifecycle actions ---------------------------------------------------------------------------------
 

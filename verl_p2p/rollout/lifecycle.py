@@ -2,8 +2,9 @@
 
     [while the rollout still generates: connect (cached) -> prepare (plan, the trainer's replicas, programs,
     slots, first-push check; a no-op when nothing changed)]
-    -> abort -> release KV (when the rollout frees it) -> [checker: snapshot + reset, once] -> begin session
-    -> recheck (the rank info re-read overlapped with abort..begin; changed: re-plan here, logged)
+    -> abort -> release KV (when the rollout frees it) -> [checker: snapshot + reset, first sync and re-arms]
+    -> begin session -> recheck (the rank info re-read, started once the abort was answered and overlapped with
+    release KV..begin; changed: re-plan here, logged)
     -> push [-> re-push the targets left unknown, `p2p_push_retries` times]
     -> per replica whose every target got all its bytes: bump version -> end session -> [checker: compare,
        until passed] -> resume KV -> flush prefix cache -> resume generation
@@ -33,9 +34,10 @@ rank, all in parallel) and compares a digest of the raw answer with the cached o
 parsed, and only a changed `RemoteRankInfo.fingerprint()` (session id, an address or a size) counts as a change.
 Server args are fetched once per engine and again only when its rank info changed (a restarted server) or the
 engine was re-added. A failed connect or prepare fails the sync before anything is paused. Inside the pause
-the rank info is read once more, overlapped with abort..begin (the recheck): a server that restarted after the
-first read is re-planned there, the reason logged and reported (`SyncReport.replanned_in_pause`), and goes through
-abort, release KV and begin again first (the restart may have come after this sync's abort reached it). A change
+the rank info is read once more, started once every abort was answered and overlapped with release KV..begin (the
+recheck): a server that restarted after the first read, even just before its abort arrived, is re-planned there,
+the reason logged and reported (`SyncReport.replanned_in_pause`), and goes through abort, release KV and begin
+again first (the restart may have come after this sync's abort reached it). A change
 yields a new `Connection` (a new `generation`, `changed_engines`); otherwise the same object comes back, so the
 push side re-plans only on change. A retry's Connection is `partial` (only the targets to re-push) and has a
 generation of its own.
@@ -45,131 +47,50 @@ generation of its own.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import Any
 
 from verl_p2p.config import P2PConfig
-from verl_p2p.errors import P2PError, unknown_targets_of
-from verl_p2p.planning.layout import RankLayout, layout_from_server_args
-from verl_p2p.planning.targets import RemoteRankInfo, TargetRank
+from verl_p2p.planning.targets import TargetRank
 from verl_p2p.rollout.adapter import P2PReplicaAdapter
 from verl_p2p.rollout.checker import WeightUpdateChecker
-from verl_p2p.rollout.client import RankAnswer, RolloutCallError
+from verl_p2p.rollout.client import RankAnswer
+from verl_p2p.rollout.connect_steps import ConnectSteps
+from verl_p2p.rollout.repush_steps import RepushSteps
+from verl_p2p.rollout.sync_run import Stop, SyncRun, first_line
+from verl_p2p.rollout.sync_types import (
+    Connection,
+    Prepare,
+    Push,
+    ReplicaFailure,
+    StaleReplica,
+    SyncError,
+    SyncReport,
+)
+
+__all__ = [
+    "Connection",
+    "Prepare",
+    "Push",
+    "ReplicaFailure",
+    "StaleReplica",
+    "SyncError",
+    "SyncLifecycle",
+    "SyncReport",
+]
+
+_first_line = first_line  # kept importable under its old name (backend/manager.py)
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Connection:
-    """What the push needs about every target: rank info and layout per (engine, rank), server args per engine.
-
-    `generation` changes whenever the set of targets or anything about them does (a partial one has its own)."""
-
-    generation: int
-    server_infos: Mapping[int, Mapping[str, Any]]
-    rank_infos: Mapping[TargetRank, RemoteRankInfo]
-    layouts: Mapping[TargetRank, RankLayout]
-    changed_engines: frozenset[int] = frozenset()  # engines new or changed since the previous generation
-    removed_engines: frozenset[int] = frozenset()
-    partial: bool = False  # a re-push after a failed push: only the targets it left unknown
-
-    @property
-    def engines(self) -> list[int]:
-        return sorted(self.server_infos)
-
-    @property
-    def targets(self) -> list[TargetRank]:
-        return sorted(self.rank_infos)
-
-
-@dataclass(frozen=True)
-class ReplicaFailure:
-    """One step that failed on one replica (`engine` None: not one replica's, e.g. the push or the checker)."""
-
-    step: str
-    engine: int | None
-    url: str | None
-    error: BaseException
-
-    def __str__(self) -> str:
-        if self.engine is None:  # the error names what failed; SyncError names the step
-            return str(self.error)
-        return f"{self.step} on engine {self.engine} ({self.url}): {self.error}"
-
-
-@dataclass(frozen=True)
-class StaleReplica:
-    """A replica left paused because its weights or its prefix cache are unknown; `reason` says why."""
-
-    engine: int
-    url: str
-    reason: str
-
-    def __str__(self) -> str:
-        return f"engine {self.engine} ({self.url}): {self.reason}"
-
-
-class SyncError(P2PError):
-    """A sync failed: `failures` are the steps that broke it, `cleanup` what failed while restoring, `stale` the
-    replicas left paused (never resumed with unknown weights) until a sync rewrites them."""
-
-    def __init__(
-        self,
-        version: str | None,
-        failures: Sequence[ReplicaFailure],
-        cleanup: Sequence[ReplicaFailure] = (),
-        stale: Sequence[StaleReplica] = (),
-    ):
-        self.version, self.failures, self.cleanup, self.stale = version, list(failures), list(cleanup), list(stale)
-        first = self.failures or self.cleanup
-        what = f"weight sync to version {version!r}" if version is not None else "rollout"
-        text = f"{what} failed at {first[0].step}: " + "; ".join(map(str, first)) if first else f"{what} failed"
-        if self.failures and self.cleanup:
-            text += " | while restoring: " + "; ".join(map(str, self.cleanup))
-        if self.stale:
-            text += " | stale replicas, paused until a sync rewrites them: " + "; ".join(map(str, self.stale))
-        super().__init__(text)
-
-    @property
-    def stale_engines(self) -> list[int]:
-        return [s.engine for s in self.stale]
-
-
-@dataclass
-class SyncReport:
-    """Per-step wall seconds (`total`; `paused`: from the abort to the resume; `control_plane` = total minus
-    push; `connect` and `prepare` ran before the pause), the push's metrics."""
-
-    version: str
-    phases: dict[str, float]
-    metrics: dict[str, Any]
-    reconnected: bool
-    generation: int
-    engines_without_sessions: list[int] = field(default_factory=list)
-    retried_targets: list[TargetRank] = field(default_factory=list)  # re-pushed after a failed first push
-    recovered_engines: list[int] = field(default_factory=list)  # stale before this sync, resumed by it
-    steps_in_pause: list[str] = field(default_factory=list)  # the lifecycle's steps from the abort on, in order
-    replanned_in_pause: str | None = None  # why the plan was redone inside the pause (None: it was not)
-
-
-Push = Callable[[Connection], Awaitable[Mapping[str, Any] | None]]
-# Everything a push needs that can be done while the rollout still generates (plan, assignments, the trainer's
-# replicas, programs, slots, the first-push check), for this Connection; called before the abort every sync
-# (it must return at once when it holds the Connection already), again inside the pause only when the rank
-# info changed after the abort.
-Prepare = Callable[[Connection], Awaitable[None]]
-
-
-class _Stop(Exception):
-    """Internal: a forward step failed; go straight to the restoring steps."""
-
-
-class SyncLifecycle:
+class SyncLifecycle(ConnectSteps, RepushSteps):
     """Runs syncs over a set of replica adapters; keeps the connect cache and the stale replicas between syncs.
+    The step order lives here; the connect cache (`connect_steps`) and the push with its re-pushes
+    (`repush_steps`) are step sets of their own, mixed in; `sync_run` holds one sync's bookkeeping and
+    `sync_types` what a sync is handed and reports.
 
     `frees_kv`: release/resume the KV cache around the update (verl's `rollout.free_cache_engine`).
     `checker`: the check_weight_update_equal hook; built from `config` when None and the option is on (pass
@@ -230,87 +151,6 @@ class SyncLifecycle:
         self._stale.pop(engine, None)
         self._open_sessions.discard(engine)
 
-    def _next_generation(self) -> int:
-        self._generation += 1
-        return self._generation
-
-    # ---- connect ---------------------------------------------------------------------------------------------
-
-    async def connect(self) -> Connection:
-        """The current Connection: the cached one when nothing changed (see the module docstring)."""
-        adapters = self.adapters
-        connection, _, failures = self._assemble(adapters, await self._probe_all(adapters))
-        if failures:
-            raise SyncError(None, failures)
-        return connection
-
-    async def _probe_all(self, adapters: Sequence[P2PReplicaAdapter], force: bool = False) -> list:
-        """Read every rank's info (server args too for new or changed engines); exceptions are returned.
-        `force`: re-read even with `recheck_rank_info` off (before a retry)."""
-
-        async def probe(adapter: P2PReplicaAdapter) -> tuple[dict[int, RankAnswer], bool]:
-            known = self._answers.get(adapter.engine)
-            if known is None:
-                await adapter.server_info(refresh=True)
-                return await adapter.rank_answers(), True
-            if not (self.recheck_rank_info or force):
-                return known, False
-            answers = await adapter.rank_answers(known)
-            if not _changed(known, answers):
-                return answers, False
-            await adapter.server_info(refresh=True)  # rank info changed: the server may have restarted
-            if len(answers) != adapter.num_ranks:
-                answers = await adapter.rank_answers()
-            return answers, True
-
-        return await asyncio.gather(*(probe(a) for a in adapters), return_exceptions=True)
-
-    def _assemble(self, adapters: Sequence[P2PReplicaAdapter], results: list, step: str = "connect"):
-        """Probe results -> (connection, reconnected, failures); a new Connection only when something changed."""
-        failures = [
-            ReplicaFailure(step, a.engine, a.url, r)
-            for a, r in zip(adapters, results, strict=True)
-            if isinstance(r, BaseException)
-        ]
-        if failures:
-            return self._connection, False, failures
-        changed = set()
-        for adapter, (answers, was_changed) in zip(adapters, results, strict=True):
-            self._answers[adapter.engine] = answers
-            if was_changed:
-                changed.add(adapter.engine)
-        engines = {a.engine for a in adapters}
-        previous = self._connection
-        if previous is not None and not changed and set(previous.server_infos) == engines:
-            return previous, False, []
-        server_infos, rank_infos, layouts, failures = {}, {}, {}, []
-        for adapter in adapters:
-            server_infos[adapter.engine] = info = adapter.cached_server_info
-            for rank, answer in self._answers[adapter.engine].items():
-                target = TargetRank(adapter.engine, rank)
-                rank_infos[target] = answer.info
-                if previous is not None and adapter.engine not in changed and target in previous.layouts:
-                    layouts[target] = previous.layouts[target]
-                    continue
-                try:
-                    layouts[target] = layout_from_server_args(info, rank)
-                except Exception as exc:  # a layout the replica cannot reproduce: name the replica
-                    failures.append(ReplicaFailure(step, adapter.engine, adapter.url, exc))
-                    break
-        if failures:
-            for failure in failures:  # re-check those engines from scratch next time
-                self._answers.pop(failure.engine, None)
-            return previous, False, failures
-        self._connection = Connection(
-            generation=self._next_generation(),
-            server_infos=server_infos,
-            rank_infos=rank_infos,
-            layouts=layouts,
-            changed_engines=frozenset(changed),
-            removed_engines=frozenset(set(previous.server_infos) - engines) if previous else frozenset(),
-        )
-        return self._connection, True, []
-
     # ---- sync ----------------------------------------------------------------------------------------------
 
     async def sync(self, version: Any, push: Push, prepare: Prepare | None = None) -> SyncReport:
@@ -325,24 +165,21 @@ class SyncLifecycle:
             self._running = False
 
     async def _sync(self, version: str, push: Push, prepare: Prepare | None = None) -> SyncReport:
-        run = _Run(self, version)
+        run = SyncRun(self, version)
         adapters = self.adapters
         was_stale = {a.engine for a in adapters if a.engine in self._stale}
         try:
             await self._before_pause(run, adapters, prepare)
-        except _Stop:  # nothing was paused: the rollout never noticed
+        except Stop:  # nothing was paused: the rollout never noticed
             stale = [StaleReplica(a.engine, a.url, self._stale[a.engine]) for a in adapters if a.engine in self._stale]
             raise SyncError(version, run.failures, [], stale) from None
-        # Rank info is fixed for a server's lifetime: its re-read inside the pause (a server restarted since the
-        # read above) overlaps abort..begin; the decision is taken after begin.
         run.paused_at = time.perf_counter()
-        probing = asyncio.ensure_future(self._probe_all(adapters))
         stage = "prepare"
         resumed: list[P2PReplicaAdapter] = []
         try:
             try:
-                await self._prepare(run, adapters, probing, prepare)
-            except _Stop:
+                await self._prepare(run, adapters, prepare)
+            except Stop:
                 pass
             if not run.failures:
                 stage = "push"
@@ -351,9 +188,10 @@ class SyncLifecycle:
                 resumed = await self._finish(run, adapters, unknown)
                 stage = "done"
         finally:
-            if not probing.done():
-                probing.cancel()
-            await asyncio.wait([probing])
+            if run.probing is not None:
+                if not run.probing.done():
+                    run.probing.cancel()
+                await asyncio.wait([run.probing])
             if stage == "prepare":  # nothing was written: restore every replica (the stale ones stay paused)
                 await self._restore_all(run, adapters)
             elif stage != "done":  # interrupted (cancelled, or a bug) from the push on: bytes unknown everywhere
@@ -384,9 +222,9 @@ class SyncLifecycle:
 
     # ---- before the pause: everything that does not need it -----------------------------------------------------
 
-    async def _before_pause(self, run: _Run, adapters: list[P2PReplicaAdapter], prepare: Prepare | None) -> None:
+    async def _before_pause(self, run: SyncRun, adapters: list[P2PReplicaAdapter], prepare: Prepare | None) -> None:
         """Connect (rank info and server args: cached, re-read) and `prepare` (plan, assignments, the trainer's
-        replicas, programs, slots, first-push check) while the rollout still generates; raises _Stop when
+        replicas, programs, slots, first-push check) while the rollout still generates; raises Stop when
         either failed (nothing was paused)."""
         t0 = time.perf_counter()
         run.connection, run.reconnected, found = self._assemble(adapters, await self._probe_all(adapters))
@@ -395,7 +233,7 @@ class SyncLifecycle:
         if prepare is not None:
             await self._run_prepare(run, prepare, "prepare")
 
-    async def _run_prepare(self, run: _Run, prepare: Prepare, name: str) -> None:
+    async def _run_prepare(self, run: SyncRun, prepare: Prepare, name: str) -> None:
         t0 = time.perf_counter()
         try:
             await prepare(run.connection)
@@ -405,9 +243,9 @@ class SyncLifecycle:
             run.phases[name] = time.perf_counter() - t0
 
     async def _recheck_in_pause(
-        self, run: _Run, adapters: list[P2PReplicaAdapter], probing: asyncio.Future, prepare: Prepare | None
+        self, run: SyncRun, adapters: list[P2PReplicaAdapter], probing: asyncio.Future, prepare: Prepare | None
     ) -> None:
-        """The rank info re-read inside the pause (overlapped with abort..begin). Unchanged (the steady state and
+        """The rank info re-read inside the pause (overlapped with release KV..begin). Unchanged (the steady state and
         the first sync alike): nothing to do. Changed (a server restarted after the read before the pause):
         re-plan here, logged with the reason."""
         run.steps_in_pause.append("recheck")
@@ -417,7 +255,7 @@ class SyncLifecycle:
         run.stop_on(found)
         if not changed:
             return
-        run.connection, run.reconnected = connection, True
+        previous, run.connection, run.reconnected = run.connection, connection, True
         run.replanned_in_pause = (
             f"the rank info of engine(s) {sorted(connection.changed_engines)} changed between the read before the "
             "pause and the re-read inside it (a restarted server?)"
@@ -426,7 +264,9 @@ class SyncLifecycle:
         # a server that restarted after the abort reached it is generating and has no session: it goes through
         # the steps again (harmless where the restart came first and the abort and begin reached the new one)
         changed = [a for a in adapters if a.engine in connection.changed_engines]
-        _, found = await self._prepare_new_servers(run, changed, "restarted, inside the pause", maybe_released=True)
+        _, found = await self._prepare_new_servers(
+            run, changed, "restarted, inside the pause", previous, maybe_released=True
+        )
         run.stop_on(found)
         if prepare is not None:
             run.steps_in_pause.append("replan_in_pause")
@@ -434,23 +274,23 @@ class SyncLifecycle:
 
     # ---- before the push: all or nothing -----------------------------------------------------------------------
 
-    async def _prepare(
-        self, run: _Run, adapters: list[P2PReplicaAdapter], probing: asyncio.Future, prepare: Prepare | None = None
-    ) -> None:
-        """abort .. begin, then the rank-info recheck; raises _Stop when a step failed on any replica (nothing
-        was written)."""
+    async def _prepare(self, run: SyncRun, adapters: list[P2PReplicaAdapter], prepare: Prepare | None = None) -> None:
+        """abort .. begin, then the rank-info recheck; raises Stop when a step failed on any replica (nothing
+        was written). The recheck's read starts once every abort was answered, so a server that restarted
+        before its abort arrived is seen by it; it overlaps release KV, the checker's arm and begin."""
         run.stop_on(await run.step("abort", adapters, lambda a: a.pause()))
+        run.probing = asyncio.ensure_future(self._probe_all(adapters))
         if self.frees_kv:
             run.released = list(adapters)
             run.stop_on(await run.step("release_kv", adapters, lambda a: a.release_kv()))
         if self.checker is not None and self.checker.wants_arm:
-            run.reset = list(adapters)  # reset_tensors randomises weights: from here on, bytes have changed
+            run.reset = self.checker.arming(adapters)  # reset_tensors randomises them: from here, bytes changed
             run.stop_on(await self._timed_check(run, "check_arm", self.checker.arm, adapters))
         run.begun = list(adapters)
         found = await run.step("begin", adapters, self._begin)
         run.begin_failed = {f.engine for f in found}
         run.stop_on(found)
-        await self._recheck_in_pause(run, adapters, probing, prepare)
+        await self._recheck_in_pause(run, adapters, run.probing, prepare)
 
     async def _begin(self, adapter: P2PReplicaAdapter) -> None:
         """Begin the session; first end one an earlier sync could not. A begin that fails may still have opened
@@ -466,7 +306,7 @@ class SyncLifecycle:
         if not await adapter.begin_session():
             self._open_sessions.discard(adapter.engine)
 
-    async def _restore_all(self, run: _Run, adapters: list[P2PReplicaAdapter]) -> None:
+    async def _restore_all(self, run: SyncRun, adapters: list[P2PReplicaAdapter]) -> None:
         """After a failure before the push: each replica on its own (end, resume KV, resume unless stale). A
         replica the weights checker reset holds random weights: stale, like a failed push's."""
         for adapter in run.reset:
@@ -486,7 +326,7 @@ class SyncLifecycle:
         run.phases["restore"] = time.perf_counter() - t0
 
     async def _restore_one(
-        self, run: _Run, adapter: P2PReplicaAdapter, resume_kv: bool, resume: bool
+        self, run: SyncRun, adapter: P2PReplicaAdapter, resume_kv: bool, resume: bool
     ) -> list[ReplicaFailure]:
         """End (when its session may be open), resume KV (when released), resume (when asked): each step tried."""
         found = []
@@ -509,164 +349,9 @@ class SyncLifecycle:
         await adapter.end_session()
         self._open_sessions.discard(adapter.engine)
 
-    # ---- the push ----------------------------------------------------------------------------------------------
-
-    async def _push_with_retries(self, run: _Run, push: Push) -> set[TargetRank]:
-        """Push; then re-push the targets it left unknown (`p2p_push_retries` times, their rank info re-read
-        first). Returns the targets still unknown; their failures are in `run.failures` only then."""
-        connection = run.connection
-        failures: list[ReplicaFailure] = []
-        unknown: set[TargetRank] = set()
-        run.steps_in_pause.append("push")
-        t0 = time.perf_counter()
-        try:
-            run.metrics = dict(await push(connection) or {})
-        except Exception as exc:
-            unknown = _unknown_after(exc, connection)
-            failures.append(ReplicaFailure("push", None, None, exc))
-            run.note_unknown(unknown, "push failed")
-        finally:
-            run.phases["push"] = time.perf_counter() - t0
-        for attempt in range(1, self.config.p2p_push_retries + 1):
-            if not unknown:
-                break
-            t0 = time.perf_counter()
-            retry, found, restarted = await self._retry_connection(unknown)
-            failures += found
-            for failure in found:
-                run.reasons[failure.engine] = (
-                    run.reasons.get(failure.engine, "its bytes are unknown after the push")
-                    + f"; its rank info could not be re-read for re-push {attempt}: {_first_line(failure.error)}"
-                )
-            restarted |= run.unprepared & set(retry.engines if retry is not None else ())
-            if retry is not None and restarted:
-                retry, found = await self._reprepare(run, retry, restarted, attempt)
-                failures += found
-            if retry is None:
-                break
-            logger.warning(
-                "p2p: re-pushing %d target(s) the push left unknown (attempt %d of %d): %s",
-                len(retry.targets),
-                attempt,
-                self.config.p2p_push_retries,
-                ", ".join(map(str, retry.targets)),
-            )
-            run.retried += retry.targets
-            run.steps_in_pause.append(f"push_retry_{attempt}")
-            try:
-                metrics = dict(await push(retry) or {})
-                unknown -= set(retry.targets)
-                if not run.metrics:
-                    run.metrics = metrics
-            except Exception as exc:
-                again = _unknown_after(exc, retry)
-                unknown = (unknown - set(retry.targets)) | again
-                failures.append(ReplicaFailure(f"push retry {attempt}", None, None, exc))
-                run.note_unknown(again, f"push and {attempt} re-push(es) failed")
-            finally:
-                run.phases[f"push_retry_{attempt}"] = time.perf_counter() - t0
-        if unknown:
-            run.failures += failures
-        elif failures:
-            logger.warning("p2p: the push failed, its re-push succeeded: %s", "; ".join(map(str, failures)))
-        return unknown
-
-    async def _retry_connection(
-        self, unknown: set[TargetRank]
-    ) -> tuple[Connection | None, list[ReplicaFailure], set[int]]:
-        """A partial Connection over the unknown targets, their engines' rank info re-read (every target of an
-        engine whose info changed: a restarted server), and the engines whose info changed."""
-        engines = sorted({t.engine for t in unknown if t.engine in self._adapters})
-        probed = [self._adapters[e] for e in engines]
-        results = dict(zip(engines, await self._probe_all(probed, force=True), strict=True))
-        failures = [
-            ReplicaFailure("reconnect", e, self._adapters[e].url, r)
-            for e, r in results.items()
-            if isinstance(r, BaseException)
-        ]
-        ok = {e for e, r in results.items() if not isinstance(r, BaseException)}
-        adapters = [a for a in self.adapters if a.engine in ok or a.engine in self._answers]
-        every = [results[a.engine] if a.engine in ok else (self._answers[a.engine], False) for a in adapters]
-        full, reconnected, found = self._assemble(adapters, every, step="reconnect")
-        failures += found
-        ok -= {f.engine for f in found}
-        changed = full.changed_engines if reconnected else frozenset()
-        targets = sorted(t for t in full.targets if t.engine in ok and (t in unknown or t.engine in changed))
-        if not targets:
-            return None, failures, set()
-        partial = Connection(
-            generation=self._next_generation(),
-            server_infos={e: full.server_infos[e] for e in sorted({t.engine for t in targets})},
-            rank_infos={t: full.rank_infos[t] for t in targets},
-            layouts={t: full.layouts[t] for t in targets},
-            changed_engines=frozenset(t.engine for t in targets),
-            partial=True,
-        )
-        return partial, failures, {e for e in changed if e in partial.server_infos}
-
-    async def _prepare_new_servers(
-        self, run: _Run, adapters: list[P2PReplicaAdapter], when: str, maybe_released: bool = False
-    ) -> tuple[list[P2PReplicaAdapter], list[ReplicaFailure]]:
-        """A restarted server (new rank info) through the normal path's steps before it is written: abort,
-        release KV, begin. Returns those that passed and the failures (their reasons noted). The new server
-        never saw the checker's snapshot: it is not compared. `maybe_released`: the restart may have come before
-        this sync's abort and release reached the new server, so a refused release means it holds none already
-        (logged); the begin after it still fails a server that does not answer."""
-        for adapter in adapters:
-            if self.checker is not None:
-                self.checker.forget(adapter.engine)
-        live, failures = list(adapters), []
-
-        async def release(adapter: P2PReplicaAdapter) -> None:
-            try:
-                await adapter.release_kv()
-            except RolloutCallError as exc:
-                if not maybe_released:
-                    raise
-                logger.warning("p2p: %s refused the KV release (%s): taken as released already", adapter, exc)
-
-        steps = [("abort", lambda a: a.pause())]
-        steps += [("release_kv", release)] if self.frees_kv else []
-        steps += [("begin", self._begin)]
-        for name, action in steps:
-            found = await run.step(f"{name} ({when})", live, action)
-            failures += found
-            for failure in found:
-                run.reasons[failure.engine] = (
-                    f"its server restarted during the sync and {name} failed on it ({when}): "
-                    f"{_first_line(failure.error)}"
-                )
-            live = [a for a in live if a.engine not in {f.engine for f in found}]
-        return live, failures
-
-    async def _reprepare(
-        self, run: _Run, retry: Connection, restarted: set[int], attempt: int
-    ) -> tuple[Connection | None, list[ReplicaFailure]]:
-        """Engines whose rank info changed are new servers (a scheduler's transfer engine lives as long as its
-        process): generating, KV allocated, no session. Before the re-push writes them they go through the
-        normal path's steps (abort, release KV, begin); one where a step fails is left out of the re-push
-        (unknown, named). The new server never saw the checker's snapshot: it is not compared."""
-        adapters = [self._adapters[e] for e in sorted(restarted)]
-        live, failures = await self._prepare_new_servers(run, adapters, f"restarted, before re-push {attempt}")
-        left_out = restarted - {a.engine for a in live}
-        run.unprepared = set(left_out)  # a later re-push must prepare them first too
-        targets = [t for t in retry.targets if t.engine not in left_out]
-        if not targets:
-            return None, failures
-        return (
-            dataclasses.replace(
-                retry,
-                server_infos={e: i for e, i in retry.server_infos.items() if e not in left_out},
-                rank_infos={t: retry.rank_infos[t] for t in targets},
-                layouts={t: retry.layouts[t] for t in targets},
-                changed_engines=frozenset(e for e in retry.changed_engines if e not in left_out),
-            ),
-            failures,
-        )
-
     # ---- after the push: each replica on its own ----------------------------------------------------------------
 
-    async def _finish(self, run: _Run, adapters: list[P2PReplicaAdapter], unknown: set[TargetRank]) -> list:
+    async def _finish(self, run: SyncRun, adapters: list[P2PReplicaAdapter], unknown: set[TargetRank]) -> list:
         """Version, end, [compare], resume KV, flush and resume every replica whose targets all completed;
         park the others (end, resume KV; never resume). Returns the replicas resumed."""
         bad = {t.engine for t in unknown}
@@ -689,7 +374,7 @@ class SyncLifecycle:
                     run.failures.append(failure)
                     for adapter in live:
                         if adapter.engine in engines:
-                            run.mark_stale(adapter, f"check_compare failed: {_first_line(failure.error)}")
+                            run.mark_stale(adapter, f"check_compare failed: {first_line(failure.error)}")
                 live = [a for a in live if a.engine not in run.stale]
             released = [a for a in live if a in run.released]
             live = run.drop(live, await run.step("resume_kv", released, lambda a: a.resume_kv()))
@@ -712,11 +397,11 @@ class SyncLifecycle:
             run.phases["park"] = time.perf_counter() - t0
         return resumed
 
-    async def _park(self, run: _Run, adapter: P2PReplicaAdapter) -> list[ReplicaFailure]:
+    async def _park(self, run: SyncRun, adapter: P2PReplicaAdapter) -> list[ReplicaFailure]:
         """A stale replica: end its session and resume its KV where possible; generation stays paused."""
         return await self._restore_one(run, adapter, adapter in run.released, resume=False)
 
-    async def _timed_check(self, run: _Run, name: str, check, adapters) -> list[ReplicaFailure]:
+    async def _timed_check(self, run: SyncRun, name: str, check, adapters) -> list[ReplicaFailure]:
         run.steps_in_pause.append(name)
         t0 = time.perf_counter()
         try:
@@ -735,85 +420,3 @@ class SyncLifecycle:
     def close(self) -> None:
         for adapter in self._adapters.values():
             adapter.close()
-
-
-class _Run:
-    """One sync's bookkeeping: step timings, failures, which replicas were released/begun, the stale ones."""
-
-    def __init__(self, lifecycle: SyncLifecycle, version: str) -> None:
-        self.version = version
-        self.start = time.perf_counter()
-        self.phases: dict[str, float] = {}
-        self.failures: list[ReplicaFailure] = []
-        self.cleanup: list[ReplicaFailure] = []
-        self.released: list[P2PReplicaAdapter] = []
-        self.begun: list[P2PReplicaAdapter] = []
-        self.reset: list[P2PReplicaAdapter] = []  # the weights checker's reset_tensors was sent to them
-        self.begin_failed: set[int] = set()
-        self.metrics: dict[str, Any] = {}
-        self.connection: Connection | None = lifecycle._connection
-        self.reconnected = False
-        self.retried: list[TargetRank] = []
-        self.unprepared: set[int] = set()  # restarted engines whose abort/release/begin before a re-push failed
-        self.reasons: dict[int, str] = {}  # engine -> why the push left its bytes unknown
-        self.stale: dict[int, str] = {}  # engine -> why this sync leaves it paused
-        self.paused_at: float | None = None  # when the abort was sent (None: still before the pause)
-        self.steps_in_pause: list[str] = []  # the lifecycle's steps from the abort on, in order
-        self.replanned_in_pause: str | None = None  # why the plan was redone inside the pause (None: it was not)
-
-    async def step(self, name: str, targets: Sequence[P2PReplicaAdapter], action) -> list[ReplicaFailure]:
-        """`action` on every target in parallel; the failures, each naming its replica."""
-        if not targets:
-            return []
-        if self.paused_at is not None:
-            self.steps_in_pause.append(name)
-        t0 = time.perf_counter()
-        results = await asyncio.gather(*(action(a) for a in targets), return_exceptions=True)
-        self.phases[name] = time.perf_counter() - t0
-        return [
-            ReplicaFailure(name, a.engine, a.url, r)
-            for a, r in zip(targets, results, strict=True)
-            if isinstance(r, BaseException)
-        ]
-
-    def stop_on(self, found: list[ReplicaFailure]) -> None:
-        if found:
-            self.failures.extend(found)
-            raise _Stop
-
-    def note_unknown(self, targets: Iterable[TargetRank], what: str) -> None:
-        ranks: dict[int, list[int]] = {}
-        for t in sorted(targets):
-            ranks.setdefault(t.engine, []).append(t.rank)
-        for engine, which in ranks.items():
-            self.reasons[engine] = f"rank(s) {which} not fully written ({what})"
-
-    def mark_stale(self, adapter: P2PReplicaAdapter, reason: str) -> None:
-        self.stale.setdefault(adapter.engine, reason)
-
-    def drop(self, live: list[P2PReplicaAdapter], found: list[ReplicaFailure]) -> list[P2PReplicaAdapter]:
-        """A step after the push failed on these replicas: they turn stale, the others go on."""
-        self.failures += found
-        for failure in found:
-            self.stale.setdefault(failure.engine, f"{failure.step} failed: {_first_line(failure.error)}")
-        return [a for a in live if a.engine not in self.stale]
-
-
-def _unknown_after(error: BaseException, connection: Connection) -> set[TargetRank]:
-    """The targets a failed push left unknown: those its exception names, else every target it was given."""
-    pushed = set(connection.targets)
-    named = {t for t in unknown_targets_of(error) or () if t in pushed}
-    return named or pushed
-
-
-def _first_line(error: BaseException, limit: int = 300) -> str:
-    text = str(error).strip().splitlines()
-    return (text[0] if text else type(error).__name__)[:limit]
-
-
-def _changed(known: Mapping[int, RankAnswer], answers: Mapping[int, RankAnswer]) -> bool:
-    if set(known) != set(answers):
-        return True
-    return any(
-        answers[r] is not known[r] and answers[r].info.fingerprint() != known[r].info.fingerprint() for r in answers
-    )

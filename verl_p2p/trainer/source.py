@@ -57,6 +57,7 @@ class SourceSession:
         self.exporter = engine_exporter(self.engine, mode=config.export_mode)
         self.transport = None
         self.buffers = None
+        self.inflight = None  # transfer.writer.InFlightCalls: every Writer's calls in flight (Writers come and go)
         self._save_hook = None
         self._replicas: dict[Hashable, Any] = {}
         self._executors: dict[Hashable, Any] = {}
@@ -115,7 +116,8 @@ class SourceSession:
                 part = assignment.parts.get(target, (0, 1))
                 targets.append(PushTarget(target, self._executor(replica), assignment.rank_infos[target], part))
             self._prepare_executors(targets)
-            self._open_connections(targets)
+            if assignment.warm_up:  # never inside the pause (a re-push's plan): it would only delay the writes
+                self._open_connections(targets)
         except Exception as exc:  # reported at push, by the go/no-go (see the docstring)
             self.apply_error, targets = exc, []
             logger.error(
@@ -134,6 +136,7 @@ class SourceSession:
                 dict(assignment.rank_infos),
                 timeout_s=self.config.p2p_transfer_timeout,
                 num_workers=self.config.p2p_transfer_num_workers,
+                inflight=self._inflight_calls(),
             )
             if targets
             else None
@@ -157,21 +160,32 @@ class SourceSession:
                 )
         _warm_fp8_quantizer(executors)
 
+    def _inflight_calls(self) -> Any:
+        if self.inflight is None:
+            from verl_p2p.transfer.writer import InFlightCalls
+
+            self.inflight = InFlightCalls()
+        return self.inflight
+
     def _open_connections(self, targets: list[Any]) -> None:
         """Open the Mooncake segment and connection of every target now, with a read of a few bytes of one of its
-        parameters into a slot (a read changes nothing on the rollout, so it may run while it generates): the
-        first push does not pay the handshakes inside the pause. A failure is only logged: the push reports it."""
+        parameters into the buffers' scratch, never a slot (a read changes nothing on the rollout, so it may run
+        while it generates): the first push does not pay the handshakes inside the pause. A session with a write
+        still in flight is skipped (the read would block behind it). A failed read retires the scratch (it may
+        still land) and is logged; the push then reports the target it cannot reach."""
+        from verl_p2p.transfer.buffers import SCRATCH_BYTES
+
         read = getattr(self.transport, "read", None)
-        if read is None or self.buffers is None or not self.buffers.slots or not self.buffers.slots[0].settled:
-            return  # (a write of a failed push may still read that slot)
-        local = self.buffers.slots[0].addr
+        if read is None or self.buffers is None:
+            return
         for t in targets:
             param = next((p for p in t.remote.params.values() if p.nbytes > 0), None)
-            if param is None:
+            if param is None or self._inflight_calls().busy(t.remote.session_id):
                 continue
             try:
-                read(t.remote.session_id, [local], [param.address], [min(param.nbytes, 64)])
+                read(t.remote.session_id, [self.buffers.scratch()], [param.address], [min(param.nbytes, SCRATCH_BYTES)])
             except Exception as exc:  # noqa: BLE001 - the push names a target it cannot reach
+                self.buffers.retire_scratch()
                 logger.warning("p2p: could not open the connection to %s before the push: %s", t.target, exc)
 
     def _refuse_without_sessions(self, target: Any, server_info: Any, layout: Any) -> None:

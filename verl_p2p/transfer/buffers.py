@@ -5,6 +5,8 @@ only after every write reading it returned. A slot whose write failed or timed o
 transport may still be reading it (Mooncake can land a failed write later), so it is swapped for a fresh
 slot and freed at the start of a later push (or on release), once its last write call has returned.
 `release()` / `restore()` give the memory back around a verl checkpoint save and take it again afterwards.
+Warm-up reads (opening a target's connection before the pause) go to a small scratch buffer of their own, never
+a slot: a failed read may still land, so the scratch it used is set aside for good and a fresh one is used next.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from verl_p2p.transfer.writer import TargetFailure, WriteBatch
 logger = logging.getLogger(__name__)
 
 ALIGN = 256  # byte alignment of what is packed into a slot (any dtype view, fast copies)
+SCRATCH_BYTES = 64  # what one warm-up read fetches (enough to open the connection)
 
 
 @dataclass(eq=False)
@@ -83,6 +86,8 @@ class TransferBuffers:
         self._quarantined: list[Slot] = []
         self._next = 0
         self._created = 0
+        self._scratch: torch.Tensor | None = None  # warm-up reads land here (host memory, registered once)
+        self._retired_scratch: list[torch.Tensor] = []  # a failed read may still land there: never reused
         self.restore()
 
     # ------------------------------------------------------------------ memory
@@ -152,6 +157,21 @@ class TransferBuffers:
         self.slots[self.slots.index(slot)] = fresh
         self._quarantined.append(slot)
         return fresh
+
+    # ------------------------------------------------------------------ warm-up reads
+    def scratch(self) -> int:
+        """Address of `SCRATCH_BYTES` of registered host memory for warm-up reads; never part of a slot, and kept
+        across release()/restore() (a read that failed may still land in it)."""
+        if self._scratch is None:
+            self._scratch = torch.zeros(SCRATCH_BYTES, dtype=torch.uint8)
+            self.transport.register(self._scratch.data_ptr(), self._scratch.numel())
+        return self._scratch.data_ptr()
+
+    def retire_scratch(self) -> None:
+        """A read into the scratch failed: it may still land there, so the next read gets a fresh one."""
+        if self._scratch is not None:
+            self._retired_scratch.append(self._scratch)
+            self._scratch = None
 
     # ------------------------------------------------------------------ use
     def begin(self) -> None:

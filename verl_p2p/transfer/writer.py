@@ -9,10 +9,15 @@ writes to every other target carry on. The deadline is watched over every call i
 is waited on, and a call past it gives back its worker: blocked calls to frozen targets never keep a healthy
 target's queued write from starting (with more frozen targets than workers it would otherwise wait for
 Mooncake's own timeout).
+
+A blocked call may still land, so a target stays failed while any call to its session is in flight, also for
+the Writer of a later plan generation (`InFlightCalls`, shared by every Writer of one trainer rank): a newer
+write landing first would be overwritten by the older bytes when the blocked call lands.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -33,6 +38,45 @@ _MISMATCH_FIX = (
     "rollout does not publish at all can also mean it serves the model through SGLang's generic Transformers "
     "backend because its own model module failed to import (its log: 'Ignore import error when loading "
     "sglang.srt.models.<module>', e.g. No module named 'deep_gemm': install the kernel package SGLang pins)"
+)
+
+
+class InFlightCalls:
+    """Transport calls started and not yet returned, per remote session, across Writers. A Writer lives for one plan
+    generation, but a call blocked in the transport outlives it and may land late: a later Writer must not write
+    that session until the call returned. Each Writer counts under its own token."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._calls: dict[str, dict[int, int]] = {}  # session id -> writer token -> calls in flight
+        self._tokens = itertools.count(1)
+
+    def token(self) -> int:
+        return next(self._tokens)
+
+    def start(self, session_id: str, token: int) -> None:
+        with self._lock:
+            owners = self._calls.setdefault(session_id, {})
+            owners[token] = owners.get(token, 0) + 1
+
+    def finish(self, session_id: str, token: int) -> None:
+        with self._lock:
+            owners = self._calls.get(session_id, {})
+            owners[token] = owners.get(token, 1) - 1
+            if owners[token] <= 0:
+                del owners[token]
+            if not owners:
+                self._calls.pop(session_id, None)
+
+    def busy(self, session_id: str, other_than: int | None = None) -> bool:
+        """A call to `session_id` is in flight (from a Writer other than token `other_than`, when given)."""
+        with self._lock:
+            return any(token != other_than for token in self._calls.get(session_id, {}))
+
+
+_STILL_IN_FLIGHT = (
+    "a write call to it from an earlier push is still in flight (blocked in the transport) and may still land: "
+    "not written now, so that call cannot overwrite newer bytes; it is written again once that call returned"
 )
 
 
@@ -102,7 +146,6 @@ class _Lane:
         self.writer = writer
         self.target = target
         self.jobs: queue.Queue[_Job | None] = queue.Queue()
-        self.busy = False
         self.thread = threading.Thread(target=self._run, name=f"p2p-write-e{target.engine}r{target.rank}", daemon=True)
         self.thread.start()
 
@@ -129,7 +172,7 @@ class _Lane:
                 job.started = time.monotonic()
                 job.holds_worker = True
                 w._inflight.add(job)
-                self.busy = True
+                w.inflight.start(job.session_id, w.token)
                 w._cond.notify_all()
             try:
                 w.transport.write(job.session_id, job.local, job.remote, job.lengths)
@@ -137,10 +180,10 @@ class _Lane:
                 job.error = str(exc)
             except Exception as exc:  # noqa: BLE001 - any transport fault fails this target only
                 job.error = f"{type(exc).__name__}: {exc}"
+            w.inflight.finish(job.session_id, w.token)
             with w._cond:
                 w._give_back_worker(job)
                 w._inflight.discard(job)
-                self.busy = False
                 job.done = True
                 if job.error is not None:
                     w._fail(job, job.error)
@@ -157,7 +200,10 @@ class Writer:
         targets: Mapping[TargetRank, RemoteRankInfo],
         timeout_s: float,
         num_workers: int = 8,
+        inflight: InFlightCalls | None = None,
     ) -> None:
+        """`inflight`: the calls in flight of every Writer of this trainer rank (see InFlightCalls); a private one
+        when None (a Writer that is never replaced)."""
         if timeout_s <= 0 or num_workers < 1:
             raise ValueError(f"timeout_s={timeout_s} must be > 0 and num_workers={num_workers} >= 1")
         self.transport = transport
@@ -168,6 +214,8 @@ class Writer:
         self._cond = threading.Condition()
         self._lanes: dict[TargetRank, _Lane] = {}
         self._inflight: set[_Job] = set()  # calls started and not returned, of every batch
+        self.inflight = inflight if inflight is not None else InFlightCalls()
+        self.token = self.inflight.token()
         self.failed: dict[TargetRank, TargetFailure] = {}
 
     # ------------------------------------------------------------------ validation
@@ -228,11 +276,11 @@ class Writer:
 
     # ------------------------------------------------------------------ writes
     def reset_failures(self) -> None:
-        """Forget failed targets whose lane is idle again (start of a new push); a still-blocked one stays failed."""
+        """Forget failed targets no call is in flight to any more (start of a new push); one with a call still
+        blocked in the transport (this Writer's or an earlier one's) stays failed."""
         with self._cond:
-            for target in list(self.failed):
-                lane = self._lanes.get(target)
-                if lane is None or not lane.busy:
+            for target, failure in list(self.failed.items()):
+                if not self.inflight.busy(failure.session_id):
                     del self.failed[target]
 
     def submit(self, entries: Iterable[WriteEntry]) -> WriteBatch:
@@ -247,6 +295,8 @@ class Writer:
             batch.jobs = jobs
             for job in jobs:
                 batch.bytes_per_target[job.target] = sum(job.lengths)
+                if job.target not in self.failed and self.inflight.busy(job.session_id, other_than=self.token):
+                    self.failed[job.target] = TargetFailure(job.target, job.session_id, _STILL_IN_FLIGHT)
                 if job.target in self.failed:
                     job.cancelled = job.done = True
             batch._job_finished()

@@ -281,8 +281,9 @@ def run_depth(args: argparse.Namespace, depth: int, quant: str, mem_fraction: fl
         t0 = time.perf_counter()
         ns = e2e_args(args, key, quant, Path(tmp), mem_fraction)
         report, memory = asyncio.run(_harness_run(ns, Path(tmp), args.device == "cuda"))
-    return DepthRun(depth, quant, bool(report.get("passed")), report.get("push_bytes"), report, memory,
-                    time.perf_counter() - t0)
+    return DepthRun(
+        depth, quant, bool(report.get("passed")), report.get("push_bytes"), report, memory, time.perf_counter() - t0
+    )
 
 
 # ---- figures and goals -----------------------------------------------------------------------------------------
@@ -481,6 +482,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse(argv)
+    fractions = {  # refuses a depth that does not fit before anything is written or launched
+        (d, q): _mem_fraction(args, model_config(args.width, d), q)
+        for d in ([] if args.plan_only else args.depths)
+        for q in args.quant
+    }
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     import torch
 
@@ -493,6 +499,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import_s = time.perf_counter() - t0
     from verl_p2p.replica.rank_context import installed_sglang_version
+
     # the dtype the e2e's trainer and rollouts hold: bf16 on real SGLang, float32 with the loopback stand-in
     dtype = "bfloat16" if args.rollout == "sglang" or args.width == "real" else "float32"
     previous = json.loads(Path(args.out).read_text()) if args.append and Path(args.out).exists() else {}
@@ -502,11 +509,6 @@ def main(argv: list[str] | None = None) -> int:
     commands: list[str] = list(previous.get("commands", []))
     commands.append("python3 scripts/cost_growth.py " + " ".join(argv))
     slot_bytes = 2 * (args.bucket_mb << 20)
-    fractions = {  # refuses a depth that does not fit before anything is written or launched
-        (d, q): _mem_fraction(args, model_config(args.width, d), q)
-        for d in ([] if args.plan_only else args.depths)
-        for q in args.quant
-    }
     for depth in args.depths:
         cfg = model_config(args.width, depth)
         configs[str(depth)] = {k: cfg[k] for k in CONFIG_FIELDS if k in cfg}

@@ -29,9 +29,7 @@ DEEPSEEK_V3_REAL_LAYERS = 2  # the first (dense) layer and one MoE layer
 def qwen3_30b_a3b(num_hidden_layers: int = QWEN3_30B_A3B_LAYERS) -> dict[str, Any]:
     """Qwen3-30B-A3B's published config.json at `num_hidden_layers` (every layer MoE, as published)."""
     if not 1 <= num_hidden_layers <= QWEN3_30B_A3B_LAYERS:
-        raise ValueError(
-            f"num_hidden_layers={num_hidden_layers}: Qwen3-30B-A3B has 1..{QWEN3_30B_A3B_LAYERS} layers; pick one of them"
-        )
+        raise ValueError(f"num_hidden_layers={num_hidden_layers}: Qwen3-30B-A3B has 1..{QWEN3_30B_A3B_LAYERS} layers")
     return model_card("qwen3-30b-a3b", num_hidden_layers)
 
 

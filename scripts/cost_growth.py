@@ -22,6 +22,7 @@ import asyncio
 import gc
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -572,11 +573,19 @@ def _mem_fraction(args: argparse.Namespace, cfg: dict, quant: str) -> float:
         return args.mem_fraction
     if args.rollout != "sglang":
         return 0.12
-    from verl_p2p.e2e.real_sizes import budget_of
+    from verl_p2p.e2e.real_sizes import budget_of, disk_budget
 
     budget = budget_of(cfg, quant, slot_bytes=2 * (args.bucket_mb << 20))
     if not budget.fits:
         raise SystemExit(f"{cfg['num_hidden_layers']} layers {quant}: does not fit on one GPU: {budget.why}")
+    written = disk_budget(cfg, quant).checkpoint_bytes
+    free = shutil.disk_usage(args.workdir or tempfile.gettempdir()).free
+    if written > free:
+        raise SystemExit(
+            f"{cfg['num_hidden_layers']} layers {quant}: its checkpoints take {written / 2**30:.1f} GiB but "
+            f"{args.workdir or tempfile.gettempdir()} has {free / 2**30:.1f} GiB free; pass --workdir on a larger "
+            "disk (or /dev/shm when the host memory holds them)"
+        )
     return budget.mem_fraction
 
 

@@ -18,6 +18,7 @@ from verl_p2p.e2e.real_sizes import (
     REAL_SIZES,
     budget_of,
     deepseek_v3,
+    disk_budget,
     largest_depth,
     one_gpu_budget,
     qwen3_30b_a3b,
@@ -104,6 +105,9 @@ def test_largest_depths_on_one_h200():
     assert budget_of(qwen3_30b_a3b(24), "bf16", fresh_server=False).fits
     assert "after the trainer" in budget_of(qwen3_30b_a3b(48), "fp8", fresh_server=False).why
     assert budget_of(deepseek_v3(), "fp8").fits and not budget_of(deepseek_v3(), "bf16").fits
+    # the disk (64 GiB) binds before the GPU for FP8: four checkpoints are written
+    assert largest_depth("fp8", disk=True) == 14 and largest_depth("bf16", disk=True) == 15
+    assert not disk_budget(deepseek_v3(), "fp8").fits and disk_budget(deepseek_v3(), "bf16").fits
     with pytest.raises(ValueError, match="bf16' or 'fp8'"):
         budget_of(deepseek_v3(), "int4")
 
@@ -112,14 +116,14 @@ def test_largest_depths_on_one_h200():
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_sglang_plans_deepseek_v3_at_real_widths(fp8):
     """SGLang's own DeepseekV3ForCausalLM at the published widths takes every HF tensor of the dense and the MoE
-    layer (bf16, and the block-FP8 checkpoint the trainer's quantizer writes); MLA's derived w_kc / w_vc are the
-    only post-load tensors."""
+    layer (bf16, and the block-FP8 checkpoint the trainer's quantizer writes); MLA's post-load tensors (w_kc / w_vc,
+    and on this CPU path their FP8 scales) are the allow-listed ones."""
     from verl_p2p.sandbox.cpu_stubs import install_cpu_stubs
 
     install_cpu_stubs()
     from verl_p2p.cli.plan import fp8_rollout
     from verl_p2p.planning.layout import layout_from_server_args
-    from verl_p2p.replica import check_hf_coverage
+    from verl_p2p.replica import check_hf_coverage, check_syncable
     from verl_p2p.replica.stream import plan_rank
 
     cfg = dict(deepseek_v3(), torch_dtype="bfloat16")
@@ -133,7 +137,8 @@ def test_sglang_plans_deepseek_v3_at_real_widths(fp8):
     assert "model.layers.0.mlp.gate_up_proj.weight" in plan.params
     if fp8:
         assert plan.params["model.layers.1.mlp.experts.w13_weight"].dtype == torch.float8_e4m3fn
-    assert {d.rsplit(".", 1)[-1] for d in plan.derived} <= {"w_kc", "w_vc"}
+    check_syncable(plan)  # its post-load tensors are all on the allow-list (rebuilt from kv_b_proj)
+    assert {d.rsplit(".", 1)[-1] for d in plan.derived} >= {"w_kc", "w_vc"}
     expected = sync_bytes(deepseek_v3())
     assert plan.nbytes == pytest.approx(expected.fp8_bytes if fp8 else expected.bf16_bytes, rel=0.02)
 

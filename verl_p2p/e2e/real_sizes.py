@@ -178,13 +178,80 @@ def budget_of(cfg: Mapping[str, Any], rollout_quant: str, fresh_server: bool = T
     return one_gpu_budget(sb.bf16_bytes, served, fresh_server=fresh_server, **kwargs)
 
 
-def largest_depth(rollout_quant: str, fresh_server: bool = True, **kwargs: Any) -> int | None:
-    """The deepest Qwen3-30B-A3B (1..48 layers) whose e2e fits on one GPU, None when not even one layer does."""
+DISK_BYTES = 64 * GIB  # the H200 machine's disk
+DISK_RESERVE_BYTES = 10 * GIB  # the unpacked SGLang 0.5.21 stack, its wheels, logs
+
+
+@dataclass(frozen=True)
+class DiskBudget:
+    """The checkpoints one e2e writes: weight set 0 (the trainer and the rollout under test load it) and weight set
+    1 (the fresh server's), each bf16, and with an FP8 rollout the block-FP8 copy of each beside it."""
+
+    checkpoint_bytes: int
+    free_bytes: int
+    fits: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: (round(v / GIB, 2) if k.endswith("_bytes") else v) for k, v in asdict(self).items()}
+
+
+def disk_budget(
+    cfg: Mapping[str, Any], rollout_quant: str, disk_bytes: int = DISK_BYTES, reserve_bytes: int = DISK_RESERVE_BYTES
+) -> DiskBudget:
+    sb = sync_bytes(cfg)
+    written = 2 * sb.bf16_bytes + (2 * sb.fp8_bytes if rollout_quant == "fp8" else 0)
+    free = disk_bytes - reserve_bytes
+    return DiskBudget(written, free, written <= free)
+
+
+def largest_depth(rollout_quant: str, fresh_server: bool = True, disk: bool = False, **kwargs: Any) -> int | None:
+    """The deepest Qwen3-30B-A3B (1..48 layers) whose e2e fits on one GPU (and, with `disk`, whose checkpoints fit
+    on the machine's disk), None when not even one layer does."""
     best = None
     for layers in range(1, QWEN3_30B_A3B_LAYERS + 1):
-        if budget_of(qwen3_30b_a3b(layers), rollout_quant, fresh_server, **kwargs).fits:
+        cfg = qwen3_30b_a3b(layers)
+        if budget_of(cfg, rollout_quant, fresh_server, **kwargs).fits and (
+            not disk or disk_budget(cfg, rollout_quant).fits
+        ):
             best = layers
     return best
+
+
+def summary() -> dict[str, Any]:
+    """The table docs/measurements/real_sizes.md quotes: bytes per depth and what one H200 holds."""
+    rows = []
+    for layers in (1, 2, 6, 12, 15, 23, 24, 35, 43, 48):
+        cfg = qwen3_30b_a3b(layers)
+        rows.append(
+            {
+                "model": "qwen3-30b-a3b",
+                **asdict(sync_bytes(cfg)),
+                **{
+                    f"{q}_{'fresh' if f else 'alone'}": budget_of(cfg, q, f).to_dict()
+                    for q in ("bf16", "fp8")
+                    for f in (True, False)
+                },
+                "disk": {q: disk_budget(cfg, q).to_dict() for q in ("bf16", "fp8")},
+            }
+        )
+    for layers in (2, 3):
+        cfg = deepseek_v3(layers)
+        rows.append(
+            {
+                "model": "deepseek-v3",
+                **asdict(sync_bytes(cfg)),
+                **{f"{q}_fresh": budget_of(cfg, q).to_dict() for q in ("bf16", "fp8")},
+                **{f"{q}_alone": budget_of(cfg, q, False).to_dict() for q in ("bf16", "fp8")},
+                "disk": {q: disk_budget(cfg, q).to_dict() for q in ("bf16", "fp8")},
+            }
+        )
+    largest = {
+        f"{q}_{'fresh' if f else 'alone'}{'_disk' if d else ''}": largest_depth(q, f, d)
+        for q in ("bf16", "fp8")
+        for f in (True, False)
+        for d in (False, True)
+    }
+    return {"rows": rows, "largest_qwen3_30b_a3b_depth": largest}
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -192,3 +259,9 @@ def _numel(shape: tuple[int, ...]) -> int:
     for d in shape:
         n *= d
     return n
+
+
+if __name__ == "__main__":
+    import json
+
+    print(json.dumps(summary(), indent=1))

@@ -202,3 +202,23 @@ def test_cost_growth_refuses_bad_input_before_anything_runs(tmp_path):
         proc = _cost_growth(*argv, "--out", str(out), timeout=300)
         assert proc.returncode != 0 and message in proc.stderr, (argv, proc.stderr[-1500:])
         assert not out.exists()
+
+
+def test_gpu_steps_take_their_mem_fractions_from_the_arithmetic(tmp_path):
+    """scripts/gpu_real_sizes.sh's dry step prints each H200 e2e with the mem fraction `budget_of` computes."""
+    done = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_real_sizes.sh"), "dry"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, PYTHON=sys.executable, OUT=str(tmp_path)),
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    qwen3 = qwen3_30b_a3b(REAL_SIZES["qwen3_moe"]["num_hidden_layers"])
+    for line, fraction in (
+        ("dsv3-fp8: e2e --models deepseek_v3 --fp8", budget_of(deepseek_v3(), "fp8").mem_fraction),
+        ("qwen3-bf16: e2e --models qwen3_moe", budget_of(qwen3, "bf16").mem_fraction),
+        ("qwen3-fp8: e2e --models qwen3_moe --fp8", budget_of(qwen3, "fp8").mem_fraction),
+    ):
+        assert f"{line} --mem-fraction {fraction}" in done.stdout.replace("  ", " "), done.stdout

@@ -126,10 +126,12 @@ def one_gpu_budget(
     slot_bytes: int = 2 * 512 * (1 << 20),
     kv_min_bytes: int = 2 * GIB,
     context_bytes: int = 3 * GIB,
+    trainer_copies: int = 2,
 ) -> GpuBudget:
     """Whether the trainer, the rollout under test and (`fresh_server`) a fresh server fit, under SGLang 0.5.21's
-    rule (`kv_cache_configurator.py`: rest = free_after_load - free_before_load * (1 - mem_fraction_static))."""
-    trainer = 2 * trainer_model_bytes + slot_bytes + context_bytes
+    rule (`kv_cache_configurator.py`: rest = free_after_load - free_before_load * (1 - mem_fraction_static)).
+    `trainer_copies`: 2 for the e2e's trainer (parameters + the initial copy), 1 for one holding its model once."""
+    trainer = trainer_copies * trainer_model_bytes + slot_bytes + context_bytes
     free1 = gpu_bytes - trainer - context_bytes
     need = server_weight_bytes + kv_min_bytes
     chosen, why = None, ""

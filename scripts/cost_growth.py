@@ -399,8 +399,9 @@ def growth_fit(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     }
 
 
-def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
-    """Sync (push) seconds and raw Mooncake write seconds against bytes, one line per quantization."""
+def plot(rows: list[dict[str, Any]], path: str, title: str, dtype: str) -> None:
+    """Sync (push) seconds and raw Mooncake write seconds against bytes, one line per quantization (labelled with
+    what the rollout holds: `dtype` unless FP8)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -412,9 +413,10 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
         if not pts:
             continue
         xs = [x for x, _ in pts]
-        ax.plot(xs, [r["push_s_median"] for _, r in pts], "o-", label=f"sync push ({quant})")
-        ax.plot(xs, [r["raw_write_s_median"] for _, r in pts], "s--", label=f"raw Mooncake writes ({quant})")
-        ax.plot(xs, [r["paused_s"]["steady_median"] for _, r in pts], "^:", label=f"paused, steady ({quant})")
+        held = "fp8" if quant == "fp8" else dtype
+        ax.plot(xs, [r["push_s_median"] for _, r in pts], "o-", label=f"sync push ({held})")
+        ax.plot(xs, [r["raw_write_s_median"] for _, r in pts], "s--", label=f"raw Mooncake writes ({held})")
+        ax.plot(xs, [r["paused_s"]["steady_median"] for _, r in pts], "^:", label=f"paused, steady ({held})")
         for x, r in pts:
             ax.annotate(f"{r['depth']}L", (x, r["push_s_median"] or 0), textcoords="offset points", xytext=(4, 4))
     ax.set_xlabel("bytes per sync (GB)")
@@ -561,7 +563,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     Path(args.out).write_text(json.dumps(report, indent=1, default=str) + "\n")
     if rows:
-        plot(rows, args.png or str(Path(args.out).with_suffix(".png")), f"Qwen3-30B-A3B shapes ({args.width} width)")
+        title = "Qwen3-30B-A3B by depth" if args.width == "real" else "the sandbox's tiny Qwen3-MoE by depth (CPU)"
+        plot(rows, args.png or str(Path(args.out).with_suffix(".png")), title, dtype)
     print_goals(out_goals)
     return 0 if report["passed"] else 1
 

@@ -297,7 +297,15 @@ def _median(values: list[float]) -> float | None:
 def depth_figures(run: DepthRun, tensors: int, slot_bytes: int) -> dict[str, Any]:
     """Issue 35's figures of one depth from the harness's sync records."""
     syncs = [s for s in run.report.get("syncs", []) if s["outcome"] == "ok" and s["push"]]
-    plain = [s for s in syncs if not s["drill"] and not s["notes"].get("raw_replay") and s["index"] > 0]
+    plain = [  # the steady state, as the e2e counts it: no first sync, drill, raw replay, restart or re-plan
+        s
+        for s in syncs
+        if s["index"] > 0
+        and not s["drill"]
+        and not s["notes"].get("raw_replay")
+        and not s["notes"].get("first_after_trainer_restart")
+        and not s["notes"].get("replanned_in_pause")
+    ]
     restart = [s for s in syncs if s["notes"].get("first_after_trainer_restart")]
     f = run.report.get("figures", {})
 

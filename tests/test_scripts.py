@@ -33,6 +33,8 @@ CHECKS = {
     "grpo_check.py": (COVERED, "test_grpo_check.py"),  # probe, fresh and summary on recorded logs
     "grpo_report.py": (COVERED, "test_grpo_report.py"),  # JSON, table and PNG from recorded runs
     "measure_verify_first_push.py": SMOKE,  # --smoke: tiny model, one repeat
+    "cost_growth.py": (COVERED, "test_real_sizes.py"),  # --device cpu --width tiny: the loopback rollout
+    "gpu_real_sizes.sh": SHELL,  # and its dry step in tests/test_real_sizes.py
     "gpu_e2e.sh": SHELL,
     "gpu_grpo_run.sh": SHELL,
     "gpu_stack_install.sh": SHELL,  # and --dry-run below

@@ -1,0 +1,137 @@
+#!/usr/bin/env bash
+# Issue 35 on one H200: the models p2p exists for at their real widths. One STEP per device call (each must end inside
+# the 10-minute call limit); the order and the device minutes of each are in docs/measurements/real_sizes.md.
+# The SGLang 0.5.21 stack is installed once per machine start by scripts/gpu_stack_install.sh (as scripts/gpu_e2e.sh
+# does with SGLANG_STACK=0.5.21; the earlier calls carry its parts with --copy-only), then reused while the machine
+# stays warm. Reports, logs and the server logs go to $OUT.
+#
+#   bash scripts/gpu_real_sizes.sh dsv3-fp8      # DeepSeek-V3 real widths (dense + MoE layer), block-FP8 rollout
+#   bash scripts/gpu_real_sizes.sh qwen3-bf16    # Qwen3-30B-A3B at REAL_SIZES' depth, bf16 rollout, every drill
+#   bash scripts/gpu_real_sizes.sh qwen3-fp8     # the same depth, block-FP8 rollout
+#   bash scripts/gpu_real_sizes.sh cost DEPTH [QUANTS]   # scripts/cost_growth.py at one depth (JSON grows, PNG redrawn)
+#   bash scripts/gpu_real_sizes.sh dry           # any host: print what each step would run (the mem fractions, disk)
+#
+# The e2e's `--size real` is verl_p2p/e2e/real_sizes.py's REAL_SIZES, registered here when run.py lacks it.
+# An FP8 run writes four checkpoints (bf16 + FP8 of both weight sets): weight set 1 goes to $SHM (host memory)
+# through a symlink the e2e's mkdir keeps, since the disk does not hold all four (real_sizes.md, "Disk").
+set -uo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+STEP=${1:?usage: gpu_real_sizes.sh dsv3-fp8|qwen3-bf16|qwen3-fp8|cost DEPTH [QUANTS]|dry}
+shift
+OUT=${OUT:-/tmp/out}
+SITE21=${SITE21:-/tmp/site21}
+WORK=${WORK:-/tmp/e2e-real}
+SHM=${SHM:-/dev/shm/e2e-real}
+LIMIT_S=${LIMIT_S:-570}  # the call's 600 s, less the time to bring $OUT back
+mkdir -p "$OUT"
+py=python3
+if [ "$STEP" = dry ]; then
+    py=${PYTHON:-.venv/bin/python}
+    export PYTHONPATH="$root"
+else
+    SITE21="$SITE21" bash scripts/gpu_stack_install.sh >"$OUT/install.txt" 2>&1 || {
+        tail -30 "$OUT/install.txt"
+        exit 3
+    }
+    export PYTHONPATH="$SITE21:$root" CUDA_HOME=/usr/local/cuda MC_LOG_LEVEL=ERROR PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+    df -h /tmp /dev/shm | tee "$OUT/disk.txt"
+fi
+
+# mem_fraction_static and the weight set 1 bytes of a model and rollout quantization, from the one-GPU arithmetic
+budget() { # MODEL(deepseek_v3|qwen3_moe) QUANT -> "mem_fraction weights1_bytes", or a refusal on stderr
+    "$py" - "$1" "$2" <<'PY'
+import sys
+from verl_p2p.e2e.real_sizes import REAL_SIZES, budget_of, deepseek_v3, qwen3_30b_a3b, sync_bytes
+model, quant = sys.argv[1], sys.argv[2]
+cfg = deepseek_v3() if model == "deepseek_v3" else qwen3_30b_a3b(REAL_SIZES["qwen3_moe"]["num_hidden_layers"])
+b = budget_of(cfg, quant)
+if not b.fits:
+    sys.exit(f"{model} {quant}: does not fit on one H200: {b.why}")
+sb = sync_bytes(cfg)
+print(b.mem_fraction, sb.bf16_bytes + (sb.fp8_bytes if quant == "fp8" else 0))
+PY
+}
+
+# weight set 1 (and its FP8 copy) into $SHM: refuses when $SHM has no room for them
+weights1_to_shm() { # ARCH BYTES
+    local need=$2 free
+    mkdir -p "$SHM/$1" "$WORK/$1" || return 1
+    free=$(df --output=avail -B1 "$SHM" | tail -1)
+    if [ "$free" -lt "$need" ]; then
+        echo "gpu_real_sizes.sh: $SHM has $((free >> 30)) GiB free, weight set 1 needs $((need >> 30)) GiB;" \
+            "mount a larger /dev/shm or set SHM to a folder with room" >&2
+        return 1
+    fi
+    for part in weights1 weights1-fp8; do
+        mkdir -p "$SHM/$1/$part" && ln -sfn "$SHM/$1/$part" "$WORK/$1/$part"
+    done
+}
+
+e2e() { # verl-p2p e2e with `--size real` registered
+    timeout "$LIMIT_S" "$py" - --rollout sglang --size real --workdir "$WORK" --bucket-mb 512 --transfer-timeout 120 \
+        --http-timeout 120 "$@" <<'PY'
+import sys
+from verl_p2p.e2e import run
+from verl_p2p.e2e.real_sizes import REAL_SIZES
+run.SIZES.setdefault("real", REAL_SIZES)
+sys.exit(run.main(sys.argv[1:]))
+PY
+}
+
+run_e2e() { # ARCH QUANT NAME
+    local arch=$1 quant=$2 name=$3 fraction bytes fp8=()
+    read -r fraction bytes < <(budget "$arch" "$quant") || exit 2
+    [ -n "$fraction" ] || exit 2
+    [ "$quant" = fp8 ] && fp8=(--fp8)
+    if [ "$STEP" = dry ]; then
+        echo "$name: e2e --models $arch ${fp8[*]} --mem-fraction $fraction (weight set 1: $((bytes >> 30)) GiB)"
+        return 0
+    fi
+    rm -rf "$WORK" "$SHM" && mkdir -p "$WORK"
+    if [ "$quant" = fp8 ]; then
+        weights1_to_shm "$arch" "$bytes" || exit 2
+    fi
+    e2e --models "$arch" "${fp8[@]}" --mem-fraction "$fraction" --syncs 3 --raw-syncs 3 \
+        --out "$OUT/$name.json" "$@" 2>&1 | tee "$OUT/$name.log"
+    local status=${PIPESTATUS[0]}
+    tar czf "$OUT/${name}_server_logs.tgz" "$WORK"/*/*.log 2>/dev/null
+    rm -rf "$WORK" "$SHM"
+    return "$status"
+}
+
+case "$STEP" in
+dsv3-fp8) run_e2e deepseek_v3 fp8 e2e_h200_sglang0521_deepseek_v3_real_fp8 "$@" ;;
+qwen3-bf16) run_e2e qwen3_moe bf16 e2e_h200_sglang0521_qwen3_30b_a3b_bf16 "$@" ;;
+qwen3-fp8) run_e2e qwen3_moe fp8 e2e_h200_sglang0521_qwen3_30b_a3b_fp8 "$@" ;;
+cost)
+    depth=${1:?cost DEPTH [QUANTS]}
+    quants=${2:-bf16,fp8}
+    # $OUT starts empty every call: the JSON grows in /tmp while the machine stays warm, seeded from the committed
+    # one after a fresh start, and is copied back with the PNG
+    name=cost_growth_h200_qwen3_30b_a3b
+    state=/tmp/$name.json
+    [ -f "$state" ] || [ ! -f "docs/measurements/$name.json" ] || cp "docs/measurements/$name.json" "$state"
+    rm -rf "$WORK" && mkdir -p "$WORK"
+    timeout "$LIMIT_S" "$py" scripts/cost_growth.py --device cuda --width real --rollout sglang --depths "$depth" \
+        --quant "$quants" --workdir "$WORK" --out "$state" --png "$OUT/$name.png" --append \
+        2>&1 | tee "$OUT/${name}_l$depth.log"
+    status=${PIPESTATUS[0]}
+    cp "$state" "$OUT/" 2>/dev/null
+    rm -rf "$WORK"
+    exit "$status"
+    ;;
+dry)
+    for s in "deepseek_v3 fp8 dsv3-fp8" "qwen3_moe bf16 qwen3-bf16" "qwen3_moe fp8 qwen3-fp8"; do
+        # shellcheck disable=SC2086
+        run_e2e $s
+    done
+    "$py" -m verl_p2p.e2e.real_sizes | "$py" -c 'import json, sys; print(json.load(sys.stdin)["largest_qwen3_30b_a3b_depth"])'
+    ;;
+*)
+    echo "gpu_real_sizes.sh: unknown step '$STEP' (dsv3-fp8, qwen3-bf16, qwen3-fp8, cost DEPTH [QUANTS], dry)" >&2
+    exit 2
+    ;;
+esac

@@ -1,0 +1,224 @@
+"""Issue 35's CPU parts: the real-width shapes (as `--size real` overrides), the one-GPU arithmetic that picks their
+depths, the write plans SGLang's own DeepSeek-V3 class gives them (bf16 and block-FP8), and scripts/cost_growth.py
+end to end at a tiny width with the loopback rollout (its JSON and PNG)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from verl_p2p.e2e.real_sizes import (
+    GIB,
+    REAL_SIZES,
+    budget_of,
+    deepseek_v3,
+    disk_budget,
+    largest_depth,
+    one_gpu_budget,
+    qwen3_30b_a3b,
+    sync_bytes,
+)
+from verl_p2p.planning.hf_names import hf_tensor_specs
+from verl_p2p.sandbox.tiny import tiny_config_dict
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_deepseek_v3_has_the_published_widths_a_dense_and_a_moe_layer():
+    cfg = deepseek_v3()
+    widths = dict(
+        hidden_size=7168,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        num_attention_heads=128,
+        n_routed_experts=256,
+        moe_intermediate_size=2048,
+        num_experts_per_tok=8,
+        n_shared_experts=1,
+        vocab_size=129280,
+        num_hidden_layers=2,
+        first_k_dense_replace=1,
+    )
+    assert {k: cfg[k] for k in widths} == widths
+    assert cfg["rope_scaling"]["type"] == "yarn" and "quantization_config" not in cfg
+    names = [n for n, _, _ in hf_tensor_specs(cfg)]
+    assert "model.layers.0.mlp.gate_proj.weight" in names  # dense first layer
+    assert "model.layers.1.mlp.experts.255.down_proj.weight" in names  # 256 routed experts
+    assert "model.layers.1.mlp.shared_experts.up_proj.weight" in names
+    assert deepseek_v3(fp8=True)["quantization_config"] == {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+    }
+    with pytest.raises(ValueError, match="at least one MoE layer"):
+        deepseek_v3(1)
+
+
+def test_real_sizes_are_overrides_the_e2e_turns_into_the_real_configs():
+    """`--size real` goes through the e2e's path: `tiny_config_dict(arch, **overrides)` must give the real shape."""
+    for arch, expected in (("deepseek_v3", deepseek_v3()), ("qwen3_moe", qwen3_30b_a3b(15))):
+        built = tiny_config_dict(arch, **REAL_SIZES[arch])
+        built["torch_dtype"] = "bfloat16"
+        assert hf_tensor_specs(built) == hf_tensor_specs(expected)
+
+
+def test_qwen3_30b_a3b_bytes_per_depth_meet_issue_35s_sizes():
+    at24, at48 = sync_bytes(qwen3_30b_a3b(24)), sync_bytes(qwen3_30b_a3b(48))
+    assert at24.tensors >= 9000 and at24.bf16_bytes >= 28e9  # the issue's floor for the deep run
+    assert at48.tensors == 18867 and 60e9 < at48.bf16_bytes < 62e9  # the whole model, as published
+    assert at24.fp8_tensors > at24.tensors and at24.fp8_bytes < 0.55 * at24.bf16_bytes  # scales added, half the bytes
+    with pytest.raises(ValueError, match="1..48"):
+        qwen3_30b_a3b(49)
+
+
+def test_one_gpu_budget_follows_sglangs_kv_rule():
+    """A server gets mem_fraction x the memory free when it starts; the fresh one starts after the first."""
+    fits = one_gpu_budget(10 * GIB, 10 * GIB, gpu_bytes=100 * GIB, slot_bytes=0, kv_min_bytes=GIB, context_bytes=0)
+    assert fits.fits and fits.mem_fraction is not None
+    free1 = 100 - 20
+    assert fits.mem_fraction * free1 >= 11 and fits.mem_fraction * (free1 - fits.mem_fraction * free1) >= 11
+    tight = one_gpu_budget(30 * GIB, 10 * GIB, gpu_bytes=100 * GIB, slot_bytes=0, kv_min_bytes=GIB, context_bytes=0)
+    assert not tight.fits and "no single mem_fraction" in tight.why  # 40 free: the fresh server can't get 11
+    alone = one_gpu_budget(
+        30 * GIB, 10 * GIB, fresh_server=False, gpu_bytes=100 * GIB, slot_bytes=0, kv_min_bytes=GIB, context_bytes=0
+    )
+    assert alone.fits
+
+
+def test_largest_depths_on_one_h200():
+    """What docs/measurements/real_sizes.md states: bf16 with a fresh server holds 15 layers (REAL_SIZES' depth),
+    24 layers need the fresh server left out (or FP8 without it); 48 layers fit in no e2e."""
+    assert largest_depth("bf16") == REAL_SIZES["qwen3_moe"]["num_hidden_layers"] == 15
+    assert largest_depth("bf16", fresh_server=False) == 35
+    assert largest_depth("fp8") == 23 and largest_depth("fp8", fresh_server=False) == 43
+    assert not budget_of(qwen3_30b_a3b(24), "bf16").fits
+    assert budget_of(qwen3_30b_a3b(24), "bf16", fresh_server=False).fits
+    assert "after the trainer" in budget_of(qwen3_30b_a3b(48), "fp8", fresh_server=False).why
+    assert budget_of(deepseek_v3(), "fp8").fits and not budget_of(deepseek_v3(), "bf16").fits
+    # the disk (64 GiB) binds before the GPU for FP8: four checkpoints are written
+    assert largest_depth("fp8", disk=True) == 14 and largest_depth("bf16", disk=True) == 15
+    assert not disk_budget(deepseek_v3(), "fp8").fits and disk_budget(deepseek_v3(), "bf16").fits
+    with pytest.raises(ValueError, match="bf16' or 'fp8'"):
+        budget_of(deepseek_v3(), "int4")
+
+
+@pytest.mark.slow  # imports SGLang, builds DeepSeek-V3's real-width class on meta
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_sglang_plans_deepseek_v3_at_real_widths(fp8):
+    """SGLang's own DeepseekV3ForCausalLM at the published widths takes every HF tensor of the dense and the MoE
+    layer (bf16, and the block-FP8 checkpoint the trainer's quantizer writes); MLA's post-load tensors (w_kc / w_vc,
+    and on this CPU path their FP8 scales) are the allow-listed ones."""
+    from verl_p2p.sandbox.cpu_stubs import install_cpu_stubs
+
+    install_cpu_stubs()
+    from verl_p2p.cli.plan import fp8_rollout
+    from verl_p2p.planning.layout import layout_from_server_args
+    from verl_p2p.replica import check_hf_coverage, check_syncable
+    from verl_p2p.replica.stream import plan_rank
+
+    cfg = dict(deepseek_v3(), torch_dtype="bfloat16")
+    specs = {n: (s, getattr(torch, d)) for n, s, d in hf_tensor_specs(cfg)}
+    if fp8:
+        cfg, specs = fp8_rollout(cfg, specs)
+    args = {"tp_size": 1, "ep_size": 1, "dtype": "bfloat16", "device": "cpu"}
+    plan = plan_rank(cfg, args, layout_from_server_args(args, 0), specs).plan
+    check_hf_coverage([plan])
+    assert plan.params["model.layers.1.mlp.experts.w13_weight"].shape[0] == 256
+    assert "model.layers.0.mlp.gate_up_proj.weight" in plan.params
+    if fp8:
+        assert plan.params["model.layers.1.mlp.experts.w13_weight"].dtype == torch.float8_e4m3fn
+    check_syncable(plan)  # its post-load tensors are all on the allow-list (rebuilt from kv_b_proj)
+    assert {d.rsplit(".", 1)[-1] for d in plan.derived} >= {"w_kc", "w_vc"}
+    expected = sync_bytes(deepseek_v3())
+    assert plan.nbytes == pytest.approx(expected.fp8_bytes if fp8 else expected.bf16_bytes, rel=0.02)
+
+
+def _cost_growth(*argv: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), MC_LOG_LEVEL="ERROR")
+    return subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "cost_growth.py"), *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=ROOT,
+    )
+
+
+@pytest.mark.slow  # two e2e harnesses (loopback rollout, trainer process, Mooncake over loopback tcp)
+def test_cost_growth_runs_end_to_end_on_cpu(tmp_path):
+    out = tmp_path / "cg.json"
+    proc = _cost_growth(
+        "--device", "cpu", "--width", "tiny", "--depths", "1,2", "--layouts", "tp1", "--syncs", "2",
+        "--raw-syncs", "1", "--bucket-mb", "1", "--out", str(out),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["commands"][0].startswith("python3 scripts/cost_growth.py --device cpu")
+    assert report["configs"]["2"]["num_hidden_layers"] == 2 and report["configs"]["2"]["num_experts"] == 8
+    rows = {r["depth"]: r for r in report["depths"]}
+    assert set(rows) == {1, 2} and all(r["passed"] for r in rows.values())
+    assert rows[2]["bytes"] > rows[1]["bytes"] and rows[2]["hf_tensors"] > rows[1]["hf_tensors"]
+    for r in rows.values():
+        assert r["paused_s"]["first"] > 0 and r["paused_s"]["steady_median"] > 0
+        assert r["paused_s"]["after_trainer_restart"] > 0  # the kill drill's recovery sync
+        assert r["raw_write_s_median"] > 0 and r["push_over_raw_median"] > 0
+        assert r["conversion_gbps_median"] > 0 and r["host_s_per_tensor_median"] > 0
+        assert r["trainer_apply_before_pause_s"]["first"] > r["trainer_apply_before_pause_s"]["steady_median"]
+        assert r["trainer_memory_beyond_model_bytes"]["host"] is not None and r["memory_over_slots"] is not None
+    plans = {p["depth"]: p for p in report["plans"]}
+    assert plans[1]["ranks"][0]["cached_s"] < plans[1]["ranks"][0]["cold_s"]
+    # the e2e's loopback trainer holds float32: one plan's bytes are what each push moved
+    assert plans[2]["ranks"][0]["bytes"] == rows[2]["bytes"]
+    names = {g["goal"] for g in report["goals"]}
+    assert {"first_over_steady", "restart_over_steady", "memory_over_slots"} <= names
+    assert "goal first_over_steady" in proc.stdout
+    assert report["growth_fit"]["bf16"]["fixed_s"] is not None
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cost_growth_refuses_bad_input_before_anything_runs(tmp_path):
+    out = tmp_path / "x.json"
+    cases = [
+        (["--device", "cpu", "--width", "tiny", "--quant", "fp8"], "multiples of 128"),
+        (["--width", "real", "--depths", "49", "--plan-only"], "1..48"),
+        (["--device", "cpu", "--width", "real", "--depths", "2"], "--plan-only"),
+        (["--depths", "a,b"], "comma list of integers"),
+        (["--device", "cpu", "--width", "tiny", "--layouts", "tp3"], "unknown --quant/--layouts"),
+        # a depth one GPU cannot hold is refused with the arithmetic, before a checkpoint is written
+        (["--device", "cuda", "--width", "real", "--rollout", "sglang", "--depths", "48"], "does not fit on one GPU"),
+    ]
+    for argv, message in cases:
+        proc = _cost_growth(*argv, "--out", str(out), timeout=300)
+        assert proc.returncode != 0 and message in proc.stderr, (argv, proc.stderr[-1500:])
+        assert not out.exists()
+
+
+def test_gpu_steps_take_their_mem_fractions_from_the_arithmetic(tmp_path):
+    """scripts/gpu_real_sizes.sh's dry step prints each H200 e2e with the mem fraction `budget_of` computes."""
+    done = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_real_sizes.sh"), "dry"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, PYTHON=sys.executable, OUT=str(tmp_path)),
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    qwen3 = qwen3_30b_a3b(REAL_SIZES["qwen3_moe"]["num_hidden_layers"])
+    for line, fraction in (
+        ("dsv3-fp8: e2e --models deepseek_v3 --fp8", budget_of(deepseek_v3(), "fp8").mem_fraction),
+        ("qwen3-bf16: e2e --models qwen3_moe", budget_of(qwen3, "bf16").mem_fraction),
+        ("qwen3-fp8: e2e --models qwen3_moe --fp8", budget_of(qwen3, "fp8").mem_fraction),
+    ):
+        assert f"{line} --mem-fraction {fraction}" in done.stdout.replace("  ", " "), done.stdout

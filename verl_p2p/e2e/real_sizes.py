@@ -1,0 +1,269 @@
+"""Real-width shapes for `verl-p2p e2e` (issue 35) and the arithmetic of what one GPU holds.
+
+The widths come from the published configs in `planning/model_cards.py` (one copy of each shape); only the depth
+is chosen here. `REAL_SIZES` has the form of `verl_p2p.e2e.run.SIZES` entries (overrides of the sandbox's tiny
+config of an arch), so `--size real` runs the models p2p exists for at their real widths.
+
+`one_gpu_budget` answers "does this run fit on one GPU" with the e2e's own residents (the trainer's model and the
+initial copy it keeps to set weight sets, the rollout under test, the fresh reference server) and SGLang 0.5.21's
+KV rule: a server's static budget is `mem_fraction_static` times the memory free when it starts, and its weights
+must fit inside that budget with room for a KV pool. A run is refused here, with the arithmetic, before anything
+is written or launched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from verl_p2p.planning.hf_names import hf_tensor_specs
+from verl_p2p.planning.model_cards import model_card
+
+GIB = 1 << 30
+H200_BYTES = 139 * GIB  # what one H200 reports usable (about 139 GiB of its 141 GB)
+QWEN3_30B_A3B_LAYERS = 48  # the published depth
+DEEPSEEK_V3_REAL_LAYERS = 2  # the first (dense) layer and one MoE layer
+
+
+def qwen3_30b_a3b(num_hidden_layers: int = QWEN3_30B_A3B_LAYERS) -> dict[str, Any]:
+    """Qwen3-30B-A3B's published config.json at `num_hidden_layers` (every layer MoE, as published)."""
+    if not 1 <= num_hidden_layers <= QWEN3_30B_A3B_LAYERS:
+        raise ValueError(f"num_hidden_layers={num_hidden_layers}: Qwen3-30B-A3B has 1..{QWEN3_30B_A3B_LAYERS} layers")
+    return model_card("qwen3-30b-a3b", num_hidden_layers)
+
+
+def deepseek_v3(num_hidden_layers: int = DEEPSEEK_V3_REAL_LAYERS, fp8: bool = False) -> dict[str, Any]:
+    """DeepSeek-V3's published widths with its first layer dense (first_k_dense_replace=1) and the rest MoE, so two
+    layers hold one dense and one MoE layer; `fp8` adds the block-FP8 `quantization_config` DeepSeek-V3 ships
+    (128x128 e4m3, dynamic activations), which is the one the trainer's quantizer writes."""
+    if num_hidden_layers < 2:
+        raise ValueError(
+            f"num_hidden_layers={num_hidden_layers}: DeepSeek-V3 at real widths needs >= 2 layers (the first dense, "
+            "then at least one MoE layer)"
+        )
+    cfg = dict(model_card("deepseek-v3", num_hidden_layers), first_k_dense_replace=1)
+    if fp8:
+        from verl_p2p.trainer.fp8_checkpoint import DEFAULT_QUANTIZATION_CONFIG
+
+        cfg["quantization_config"] = dict(DEFAULT_QUANTIZATION_CONFIG)
+    return cfg
+
+
+def as_size_overrides(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """A full config as `SIZES` overrides of the sandbox's tiny config: every field but the dtype (the e2e picks it)
+    and the quantization (`--fp8` has the trainer's quantizer write the block-FP8 copy and its config)."""
+    return {k: v for k, v in cfg.items() if k not in ("torch_dtype", "quantization_config")}
+
+
+# `--size real` for `verl_p2p.e2e.run.SIZES` (the lead wires it in): DeepSeek-V3's dense + MoE layer, and
+# Qwen3-30B-A3B at the depth one H200 holds with a bf16 rollout beside a fresh one (see `largest_depth`).
+REAL_SIZES: dict[str, dict[str, Any]] = {
+    "deepseek_v3": as_size_overrides(deepseek_v3()),
+    "qwen3_moe": as_size_overrides(qwen3_30b_a3b(15)),
+}
+
+
+@dataclass(frozen=True)
+class SyncBytes:
+    """What one sync of a model moves into a TP1 rollout: its tensors and bytes in bf16 and as block-FP8."""
+
+    layers: int
+    tensors: int
+    bf16_bytes: int
+    fp8_tensors: int  # weights plus one scale tensor per quantized weight
+    fp8_bytes: int
+
+
+def sync_bytes(cfg: Mapping[str, Any]) -> SyncBytes:
+    """Bytes of a whole-model sync, from the tensor list of the config (bf16) and of its block-FP8 checkpoint."""
+    import torch
+
+    from verl_p2p.trainer.fp8_checkpoint import fp8_checkpoint_model
+
+    bf16 = {k: v for k, v in cfg.items() if k != "quantization_config"}
+    bf16["torch_dtype"] = "bfloat16"
+    specs = {n: (s, getattr(torch, d)) for n, s, d in hf_tensor_specs(bf16)}
+    _, fp8_specs = fp8_checkpoint_model(bf16, specs)
+    return SyncBytes(
+        layers=int(cfg["num_hidden_layers"]),
+        tensors=len(specs),
+        bf16_bytes=sum(_numel(s) * d.itemsize for s, d in specs.values()),
+        fp8_tensors=len(fp8_specs),
+        fp8_bytes=sum(_numel(s) * d.itemsize for s, d in fp8_specs.values()),
+    )
+
+
+@dataclass(frozen=True)
+class GpuBudget:
+    """One e2e run on one GPU: who holds what, and whether SGLang's KV rule admits both servers.
+
+    The trainer holds its bf16 model twice (the parameters and the initial copy `e2e/trainer.py` scales into
+    weight sets) plus two transfer slots; it loads before the servers measure free memory (worst case of the
+    e2e's concurrent start). A server gets `mem_fraction * free_at_start`: weights, then a KV pool of at least
+    `kv_min_bytes`. The fresh server starts while the one under test runs, so it sees less free memory."""
+
+    gpu_bytes: int
+    trainer_bytes: int
+    server_weight_bytes: int
+    kv_min_bytes: int
+    context_bytes: int  # CUDA context, NCCL, cuBLAS workspaces, activations of one process
+    fresh_server: bool
+    mem_fraction: float | None  # the one that admits every server, None when none does
+    fits: bool
+    why: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: (round(v / GIB, 2) if k.endswith("_bytes") else v) for k, v in asdict(self).items()}
+
+
+def one_gpu_budget(
+    trainer_model_bytes: int,
+    server_weight_bytes: int,
+    *,
+    fresh_server: bool = True,
+    gpu_bytes: int = H200_BYTES,
+    slot_bytes: int = 2 * 512 * (1 << 20),
+    kv_min_bytes: int = 2 * GIB,
+    context_bytes: int = 3 * GIB,
+    trainer_copies: int = 2,
+) -> GpuBudget:
+    """Whether the trainer, the rollout under test and (`fresh_server`) a fresh server fit, under SGLang 0.5.21's
+    rule (`kv_cache_configurator.py`: rest = free_after_load - free_before_load * (1 - mem_fraction_static)).
+    `trainer_copies`: 2 for the e2e's trainer (parameters + the initial copy), 1 for one holding its model once."""
+    trainer = trainer_copies * trainer_model_bytes + slot_bytes + context_bytes
+    free1 = gpu_bytes - trainer - context_bytes
+    need = server_weight_bytes + kv_min_bytes
+    chosen, why = None, ""
+    # one mem_fraction for every server (the e2e passes one); scan it in steps of 0.01 up to SGLang's sane range
+    for step in range(5, 96):
+        mf = step / 100
+        if mf * free1 < need:
+            continue
+        if fresh_server:
+            free2 = free1 - mf * free1 - context_bytes
+            if mf * free2 < need:
+                continue
+        chosen = mf
+        break
+    if chosen is not None:
+        why = f"mem_fraction {chosen:.2f} admits {'both servers' if fresh_server else 'the server'}"
+    elif free1 < need:
+        why = (
+            f"after the trainer ({trainer / GIB:.1f} GiB) only {free1 / GIB:.1f} GiB are free, less than one "
+            f"server's weights + KV ({need / GIB:.1f} GiB)"
+        )
+    else:
+        why = (
+            f"no single mem_fraction admits both servers: the fresh one sees what the first left "
+            f"(needs mem_fraction*(1-mem_fraction)*{free1 / GIB:.1f} GiB >= {need / GIB:.1f} GiB)"
+        )
+    return GpuBudget(
+        gpu_bytes,
+        trainer,
+        server_weight_bytes,
+        kv_min_bytes,
+        context_bytes,
+        fresh_server,
+        chosen,
+        chosen is not None,
+        why,
+    )
+
+
+def budget_of(cfg: Mapping[str, Any], rollout_quant: str, fresh_server: bool = True, **kwargs: Any) -> GpuBudget:
+    """`one_gpu_budget` of a config: a bf16 trainer and a `rollout_quant` ("bf16" or "fp8") rollout."""
+    if rollout_quant not in ("bf16", "fp8"):
+        raise ValueError(f"rollout_quant={rollout_quant!r}: choose 'bf16' or 'fp8'")
+    sb = sync_bytes(cfg)
+    served = sb.bf16_bytes if rollout_quant == "bf16" else sb.fp8_bytes
+    return one_gpu_budget(sb.bf16_bytes, served, fresh_server=fresh_server, **kwargs)
+
+
+DISK_BYTES = 64 * GIB  # the H200 machine's disk
+DISK_RESERVE_BYTES = 10 * GIB  # the unpacked SGLang 0.5.21 stack, its wheels, logs
+
+
+@dataclass(frozen=True)
+class DiskBudget:
+    """The checkpoints one e2e writes: weight set 0 (the trainer and the rollout under test load it) and weight set
+    1 (the fresh server's), each bf16, and with an FP8 rollout the block-FP8 copy of each beside it."""
+
+    checkpoint_bytes: int
+    free_bytes: int
+    fits: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: (round(v / GIB, 2) if k.endswith("_bytes") else v) for k, v in asdict(self).items()}
+
+
+def disk_budget(
+    cfg: Mapping[str, Any], rollout_quant: str, disk_bytes: int = DISK_BYTES, reserve_bytes: int = DISK_RESERVE_BYTES
+) -> DiskBudget:
+    sb = sync_bytes(cfg)
+    written = 2 * sb.bf16_bytes + (2 * sb.fp8_bytes if rollout_quant == "fp8" else 0)
+    free = disk_bytes - reserve_bytes
+    return DiskBudget(written, free, written <= free)
+
+
+def largest_depth(rollout_quant: str, fresh_server: bool = True, disk: bool = False, **kwargs: Any) -> int | None:
+    """The deepest Qwen3-30B-A3B (1..48 layers) whose e2e fits on one GPU (and, with `disk`, whose checkpoints fit
+    on the machine's disk), None when not even one layer does."""
+    best = None
+    for layers in range(1, QWEN3_30B_A3B_LAYERS + 1):
+        cfg = qwen3_30b_a3b(layers)
+        if budget_of(cfg, rollout_quant, fresh_server, **kwargs).fits and (
+            not disk or disk_budget(cfg, rollout_quant).fits
+        ):
+            best = layers
+    return best
+
+
+def summary() -> dict[str, Any]:
+    """The table docs/measurements/real_sizes.md quotes: bytes per depth and what one H200 holds."""
+    rows = []
+    for layers in (1, 2, 6, 12, 15, 23, 24, 35, 43, 48):
+        cfg = qwen3_30b_a3b(layers)
+        rows.append(
+            {
+                "model": "qwen3-30b-a3b",
+                **asdict(sync_bytes(cfg)),
+                **{
+                    f"{q}_{'fresh' if f else 'alone'}": budget_of(cfg, q, f).to_dict()
+                    for q in ("bf16", "fp8")
+                    for f in (True, False)
+                },
+                "disk": {q: disk_budget(cfg, q).to_dict() for q in ("bf16", "fp8")},
+            }
+        )
+    for layers in (2, 3):
+        cfg = deepseek_v3(layers)
+        rows.append(
+            {
+                "model": "deepseek-v3",
+                **asdict(sync_bytes(cfg)),
+                **{f"{q}_fresh": budget_of(cfg, q).to_dict() for q in ("bf16", "fp8")},
+                **{f"{q}_alone": budget_of(cfg, q, False).to_dict() for q in ("bf16", "fp8")},
+                "disk": {q: disk_budget(cfg, q).to_dict() for q in ("bf16", "fp8")},
+            }
+        )
+    largest = {
+        f"{q}_{'fresh' if f else 'alone'}{'_disk' if d else ''}": largest_depth(q, f, d)
+        for q in ("bf16", "fp8")
+        for f in (True, False)
+        for d in (False, True)
+    }
+    return {"rows": rows, "largest_qwen3_30b_a3b_depth": largest}
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+if __name__ == "__main__":
+    import json
+
+    print(json.dumps(summary(), indent=1))

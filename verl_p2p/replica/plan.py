@@ -339,9 +339,47 @@ def build_meta_model(ctx: RankContext) -> torch.nn.Module:
         refuse_unsupported_class(cls)
         load_config = LoadConfig(load_format="auto", tp_rank=ctx.layout.tp_rank)
         quant_config = rank_quant_config(ctx.model_config, load_config)
-        with block_rule_refusal(ctx.layout), set_default_torch_dtype(ctx.model_config.dtype), torch.device("meta"):
+        with (
+            block_rule_refusal(ctx.layout),
+            set_default_torch_dtype(ctx.model_config.dtype),
+            host_device_answer(),
+            torch.device("meta"),
+        ):
             model = _initialize_model(ctx.model_config, load_config, quant_config)
     return model.eval()
+
+
+def host_has_accelerator() -> bool:
+    """Whether this (trainer) host can place tensors where a CUDA rollout rank does."""
+    return torch.cuda.is_available()
+
+
+@contextmanager
+def host_device_answer() -> Iterator[str | None]:
+    """Inside an active rank context: model classes that ask SGLang for the device while being built (MLA's yarn
+    rope, `get_rope_wrapper(device=get_device().device)`) are answered `cpu` on a host without an accelerator.
+
+    The rollout's `/server_info` says `cuda`, and SGLang then asks the platform, which raises "No accelerator" on
+    a CPU trainer host. Only buffers SGLang derives at start-up (rope caches) take that device; no published
+    parameter does, and those are never written, so the plan's bytes are the same either way. Yields the device
+    answered, or None where the question is left to SGLang (a host with an accelerator, or a release without a
+    runtime-context device bag).
+    """
+    bag = _runtime_device_bag() if not host_has_accelerator() else None
+    if bag is None:
+        yield None
+        return
+    with bag.override(device="cpu"):
+        yield "cpu"
+
+
+def _runtime_device_bag():
+    """The active runtime context's device bag (SGLang 0.5.21 on), else None (module-global releases)."""
+    try:
+        from sglang.srt.runtime_context import get_device
+    except ImportError:
+        return None
+    return get_device()
 
 
 def meta_hf_tensors(hf_specs: HFSpecs) -> dict[str, torch.Tensor]:

@@ -342,7 +342,7 @@ def build_meta_model(ctx: RankContext) -> torch.nn.Module:
         with (
             block_rule_refusal(ctx.layout),
             set_default_torch_dtype(ctx.model_config.dtype),
-            host_device_answer(),
+            host_device_answer(ctx),
             torch.device("meta"),
         ):
             model = _initialize_model(ctx.model_config, load_config, quant_config)
@@ -355,22 +355,30 @@ def host_has_accelerator() -> bool:
 
 
 @contextmanager
-def host_device_answer() -> Iterator[str | None]:
-    """Inside an active rank context: model classes that ask SGLang for the device while being built (MLA's yarn
-    rope, `get_rope_wrapper(device=get_device().device)`) are answered `cpu` on a host without an accelerator.
+def host_device_answer(ctx: RankContext) -> Iterator[str | None]:
+    """Inside the active rank context `ctx`: model classes that ask SGLang for the device while being built (MLA's
+    yarn rope: `get_rope_wrapper(device=...)`) are answered `cpu` on a host without an accelerator.
 
-    The rollout's `/server_info` says `cuda`, and SGLang then asks the platform, which raises "No accelerator" on
-    a CPU trainer host. Only buffers SGLang derives at start-up (rope caches) take that device; no published
-    parameter does, and those are never written, so the plan's bytes are the same either way. Yields the device
-    answered, or None where the question is left to SGLang (a host with an accelerator, or a release without a
-    runtime-context device bag).
+    The rollout's `/server_info` says `cuda`; SGLang then asks the platform, which raises "No accelerator" on a CPU
+    trainer host. Only buffers SGLang computes at start-up (rope caches) take that device; they are never published
+    nor written, so the plan's bytes are the same either way. Yields the device answered, or None where the
+    question is left to SGLang (a host with an accelerator).
     """
-    bag = _runtime_device_bag() if not host_has_accelerator() else None
-    if bag is None:
+    if host_has_accelerator():
         yield None
         return
-    with bag.override(device="cpu"):
+    bag = _runtime_device_bag()
+    if bag is not None:  # SGLang 0.5.21 on: the active runtime context's device bag
+        with bag.override(device="cpu"):
+            yield "cpu"
+        return
+    record = ctx.server_args  # up to 0.5.19: the rank's ServerArgs record, the process's global while active
+    previous = record.device
+    record.device = "cpu"
+    try:
         yield "cpu"
+    finally:
+        record.device = previous
 
 
 def _runtime_device_bag():

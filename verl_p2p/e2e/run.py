@@ -10,9 +10,9 @@ generation are the rollout's own before any sync, set 1's are the fresh rollout'
    expectation, and (real SGLang) the first generation after the sync equals the expectation. The same prompt is
    sent before each sync, so a prefix cache still holding KV of the old weights shows up as a mismatch.
 2. drills, each followed by a recovery sync that must restore exact weights and equal generations:
-   `kill` (the trainer process SIGKILLed mid-push, after its first batch of writes), `wrong_session` (the push
-   aimed at a Mooncake session that does not exist, as after a rollout restart), `paused_call` (control calls and
-   a generation request sent while the rollout is paused for the sync: they must be answered, and the request must
+   `kill` (the trainer process SIGKILLed mid-push, half-way through its first batch of writes; checked: the rollout
+   then holds some but not all new bytes), `wrong_session` (the push aimed at a Mooncake session that does not
+   exist, as after a rollout restart), `paused_call` (control calls and a generation request sent while the rollout is paused for the sync: they must be answered, and the request must
    be served after the sync, with the new weights).
 `--fp8`: every rollout (the one under test and the fresh ones) starts from the 128x128 block-FP8 copy of its
 checkpoint that the trainer's quantizer writes (`trainer/fp8_checkpoint.py`), and the trainer, still bf16,
@@ -33,6 +33,8 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+from verl_p2p.e2e.checks import Check, killed_mid_push_check
 
 # Model shapes. "tiny": the CPU sandbox's (CI, loopback). "gpu": big enough that a push measures bandwidth.
 # "4b": Qwen3-4B's shape (tied embeddings, about 8 GB in bf16): a sync of a few GB, where the pause figures show.
@@ -109,13 +111,6 @@ def _require_distinct_generations(arch: str, expect: dict[int, Expectation]) -> 
             "equal generations would not show that a sync took effect; use a model whose layers shape the "
             "output (write_tiny_checkpoint(init='model')) or another --seed"
         )
-
-
-@dataclass
-class Check:
-    name: str
-    ok: bool
-    detail: str = ""
 
 
 @dataclass
@@ -385,6 +380,8 @@ class Harness:
         except SyncError as exc:
             record.outcome, record.error = "failed", str(exc)
             record.notes["stale_engines"] = sorted(exc.stale_engines)
+        if drill == "kill":  # what the killed push left, before anything else writes the rollout
+            record.checks.append(await self._killed_mid_push(marker, weights))
         if settle is not None:
             settle()
         self.stale = record.outcome != "ok" and bool(record.notes.get("stale_engines"))
@@ -462,7 +459,8 @@ class Harness:
             record.checks.append(Check("unknown_weights_not_served", ok, str(record.notes.get("served_after_failure"))))
 
     async def _killed_push(self, marker: Path, record: SyncRecord) -> dict:
-        """Start a push that stalls after its first batch of writes, SIGKILL the trainer there, start a new one."""
+        """Start a push that stalls half-way through its first batch of writes and SIGKILL the trainer there (the
+        caller starts a new one)."""
         call = asyncio.ensure_future(
             asyncio.to_thread(self.trainer.call, "push", {"stall_after_batches": 1, "stall_marker": str(marker)})
         )
@@ -474,6 +472,15 @@ class Harness:
         self.trainer.kill()
         await call  # raises TrainerDied
         raise AssertionError("unreachable: the killed trainer answered")
+
+    async def _killed_mid_push(self, marker: Path, weights: int) -> Check:
+        """The kill drill's own check: the trainer died mid-push (some, not all, new bytes in the rollout)."""
+        try:
+            held = await self.rollout.checksums(self.client)
+        except Exception:  # noqa: BLE001 - the check says the checksums could not be read
+            held = None
+        old, new = self.expect[self.held].checksums, self.expect[weights].checksums
+        return killed_mid_push_check(marker.exists(), old, new, held)
 
     async def _paused_calls(self, record: SyncRecord) -> dict[str, asyncio.Task]:
         """While paused for the sync: control calls must be answered; a generation must wait for the new weights."""

@@ -12,8 +12,9 @@ generation are the rollout's own before any sync, set 1's are the fresh rollout'
 2. drills, each followed by a recovery sync that must restore exact weights and equal generations:
    `kill` (the trainer process SIGKILLed mid-push, half-way through its first batch of writes; checked: the rollout
    then holds some but not all new bytes), `wrong_session` (the push aimed at a Mooncake session that does not
-   exist, as after a rollout restart), `paused_call` (control calls and a generation request sent while the rollout is paused for the sync: they must be answered, and the request must
-   be served after the sync, with the new weights).
+   exist, as after a rollout restart), `paused_call` (control calls and a generation request sent while the
+   rollout is paused for the sync: they must be answered, and the request must be served after the sync, with
+   the new weights).
 `--fp8`: every rollout (the one under test and the fresh ones) starts from the 128x128 block-FP8 copy of its
 checkpoint that the trainer's quantizer writes (`trainer/fp8_checkpoint.py`), and the trainer, still bf16,
 names it in `rollout_model_path`: every check above then proves FP8 bytes (needs `--size gpu`, whose shapes

@@ -6,7 +6,8 @@ process (its Megatron model, the real Writer and Mooncake), expectations from th
 from the rollout before any sync, set 1 from a fresh rollout started on it). Syncs alternate sets 0 and 1. The
 faults, in turn (a process restart counts against `--max-restarts` per kind; once used up, that kind is skipped):
 
-- `trainer_killed`: the trainer SIGKILLed mid-push, half-way through its first batch of writes; a new trainer process starts.
+- `trainer_killed`: the trainer SIGKILLed mid-push, half-way through its first batch of writes; a new trainer
+  process starts.
   Predicted: the sync fails naming the dead trainer; the rollout is stale (paused, never resumed).
 - `wrong_session`: the trainer writes to a Mooncake session nobody listens on (a stale plan after a restart).
   Predicted: fails naming that session; stale.

@@ -70,9 +70,9 @@ class LeakLimits:
     """The soaks' leak limits (`verl-p2p soak --leak-rss-mb-per-100 / --leak-fds-per-100 /
     --leak-threads-per-100`); docs/failures.md says why these values."""
 
-    rss_mb: LeakLimit = field(default_factory=lambda: LeakLimit(20.0, 8.0))
-    fds: LeakLimit = field(default_factory=lambda: LeakLimit(10.0, 3.0))
-    threads: LeakLimit = field(default_factory=lambda: LeakLimit(5.0, 2.0))
+    rss_mb: LeakLimit = field(default_factory=lambda: LeakLimit(20.0, 16.0))
+    fds: LeakLimit = field(default_factory=lambda: LeakLimit(10.0, 8.0))
+    threads: LeakLimit = field(default_factory=lambda: LeakLimit(5.0, 4.0))
 
     def items(self) -> list[tuple[str, LeakLimit]]:
         return [("rss_mb", self.rss_mb), ("fds", self.fds), ("threads", self.threads)]

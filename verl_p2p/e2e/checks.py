@@ -1,4 +1,5 @@
-"""The e2e harness's check record and the judgements that need more than one comparison.
+"""The e2e harness's check record, the expectations checks compare with, and the judgements that need more than
+one comparison.
 
 A check is what the report's `passed` is made of: a drill's note that a reader must interpret is not a check.
 """
@@ -42,3 +43,28 @@ def killed_mid_push_check(
     if len(complete) == len(differing):
         return Check("killed_mid_push", False, detail + ": the push had finished before the kill")
     return Check("killed_mid_push", True, detail)
+
+
+@dataclass
+class Expectation:
+    checksums: dict[str, str]
+    generation: list[int] | None  # PROMPT, the first generation after a flush (a fresh prefill)
+    side_generation: list[int] | None = None  # SIDE_PROMPT, likewise
+
+
+class IndistinctWeightSetsError(RuntimeError):
+    """Both weight sets generate the same tokens: the generation check could not catch stale weights."""
+
+
+def require_distinct_generations(arch: str, expect: dict[int, Expectation]) -> None:
+    """Refuse a run whose generation check would pass with the old weights still served: for classes whose
+    derived tensors (MLA's w_kc / w_vc) no checksum covers, the generations are the only proof of the rebuild."""
+    a, b = expect[0], expect[1]
+    if a.generation is None or b.generation is None:
+        return  # a rollout without generation (the loopback stand-in): checksums only
+    if (a.generation, a.side_generation) == (b.generation, b.side_generation):
+        raise IndistinctWeightSetsError(
+            f"{arch}: both weight sets generate {a.generation} (and {a.side_generation} for the side prompt), so "
+            "equal generations would not show that a sync took effect; use a model whose layers shape the "
+            "output (write_tiny_checkpoint(init='model')) or another --seed"
+        )

@@ -120,7 +120,7 @@ def test_grpo_report_smoke(tmp_path):
 def test_gpu_verl_replica_smoke_with_the_loopback_rollout(tmp_path):
     out = tmp_path / "report.json"
     run(
-        "scripts/gpu_verl_replica.py",
+        str(ROOT / "scripts/gpu_verl_replica.py"),  # run from tmp_path: what it leaves in its cwd stays there
         *("--rollout", "loopback", "--phases", "p2p_manager", "--out", str(out), "--workdir", str(tmp_path)),
         timeout=560,
         cwd=tmp_path,

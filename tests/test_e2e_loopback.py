@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -55,6 +56,10 @@ def test_e2e_harness_against_loopback(tmp_path):
     drills = model["drills"]
     assert drills["kill"]["outcome"] == "failed" and "trainer process exited" in drills["kill"]["error"]
     assert drills["kill"]["notes"]["killed_mid_push"] is True
+    assert drills["kill"]["checks"]["killed_mid_push"] is True  # some, not all, new bytes in the rollout
+    (killed,) = [c for s in syncs if s["drill"] == "kill" for c in s["checks"] if c["name"] == "killed_mid_push"]
+    changed, differing, complete = map(int, re.findall(r"\d+", killed["detail"]))
+    assert 0 < changed <= differing and complete < differing, killed
     assert drills["wrong_session"]["outcome"] == "failed" and "127.0.0.1:1" in drills["wrong_session"]["error"]
     assert drills["paused_call"]["outcome"] == "ok"
     assert drills["paused_call"]["checks"]["control_calls_answered_while_paused"] is True

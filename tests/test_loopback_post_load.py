@@ -9,7 +9,9 @@ ranks' model classes and session-end code are that release's), with weight-updat
 the new weights (its start-up load of the same checkpoint, x 2: the derivation is reshape/transpose, exact under a
 power-of-two scale). The same with a 128x128 block-FP8 checkpoint (the trainer's quantizer wrote it): `w_kc`/`w_vc`
 come from kv_b_proj dequantized with its scales at session end, as SGLang's FP8 load derives them; x 2 keeps the
-e4m3 bytes and doubles the scales, so after end they are exactly x 2 too.
+e4m3 bytes and doubles the scales, so after end they are exactly x 2 too. Since x 2 keeps the e4m3 bytes, the FP8
+ranks' parameters are first made random (SGLang's weights_checker `reset_tensors`): an FP8 weight the push did not
+write, or a w_kc/w_vc derived from bytes it did not write, then fails.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ import torch
 from verl_p2p.config import P2PConfig
 from verl_p2p.loopback.engine import EngineSpec, loopback_engines
 from verl_p2p.loopback.mirror_push import MirrorPush, scaled
+from verl_p2p.planning.targets import TargetRank
 from verl_p2p.rollout.adapter import P2PReplicaAdapter
+from verl_p2p.rollout.client import SGLangClient
 from verl_p2p.rollout.lifecycle import SyncLifecycle
 from verl_p2p.sandbox.tiny import write_tiny_checkpoint
 from verl_p2p.trainer.fp8_checkpoint import quantize_checkpoint
@@ -88,6 +92,15 @@ def _mla_session_end(tmp: str, weights: str, version: str) -> None:
             assert params["model.layers.0.self_attn.kv_b_proj.weight"].dtype == torch.float8_e4m3fn
             assert params["model.layers.0.self_attn.kv_b_proj.weight_scale_inv"].dtype == torch.float32
         mirror = MirrorPush.of_engines(engines, timeout_s=10.0)
+        if weights == "fp8":
+            # x 2 keeps the e4m3 bytes (only the block scales double), so a rank that never got its FP8 weights
+            # written would still match: every parameter is made random first, then the push must write them all
+            asyncio.run(_reset_tensors(engine.url))
+            for rank in range(2):
+                held = engine.dump(rank)
+                fp8 = [n for n, t in mirror.witness[TargetRank(0, rank)].items() if t.dtype == torch.float8_e4m3fn]
+                assert "model.layers.0.self_attn.kv_b_proj.weight" in fp8
+                assert all(not torch.equal(held[n], mirror.witness[TargetRank(0, rank)][n]) for n in fp8)
         stale: list[dict] = []
         mirror.after_write = lambda: stale.extend(engine.dump_derived(r) for r in range(2))  # inside the session
         lifecycle = SyncLifecycle([P2PReplicaAdapter(0, engine.url, config=CONFIG)], CONFIG)
@@ -115,6 +128,16 @@ def _mla_session_end(tmp: str, weights: str, version: str) -> None:
         finally:
             lifecycle.close()
             mirror.close()
+
+
+async def _reset_tensors(url: str) -> None:
+    """SGLang's weights_checker `reset_tensors`: every parameter and persistent buffer random (derived tensors that
+    are neither, such as w_kc / w_vc, keep what the load derived)."""
+    client = SGLangClient(url, timeout=60)
+    try:
+        await client.weights_checker("reset_tensors")
+    finally:
+        client.close()
 
 
 def _gemma_session_end(model: str, version: str) -> dict:

@@ -1,9 +1,10 @@
 """Every file in scripts/ runs in CI in a mode that needs no GPU, so none rots unseen.
 
-Each script is listed in CHECKS with how: a smoke run here (small sizes, CPU), its `--help` (the whole argument
-parser: every option the source declares must be in it) for scripts that need a GPU to do anything, `bash -n`
-for shell scripts, or the test file that already runs it end to end. A script not listed fails
-`test_every_script_has_a_ci_check`: a new script comes with its check.
+Each script is listed in CHECKS with how: a smoke run here (small sizes, CPU; every Python script also shows its
+`--help`), its `--help` (the whole argument parser: every option the source declares must be in it) for scripts
+that need a GPU to do anything, or `bash -n` for shell scripts. Every check runs the script itself as a process:
+a test elsewhere that merely names it does not count. A script not listed fails `test_every_script_has_a_ci_check`:
+a new script comes with its check, and a smoke script with its smoke test here (`test_every_smoke_script_runs_here`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
 
-SMOKE, HELP, SHELL, COVERED = "smoke", "help", "shell", "covered"
+SMOKE, HELP, SHELL = "smoke", "help", "shell"
 CHECKS = {
     "bench_lifecycle.py": SMOKE,
     "measure_sync_overhead.py": SMOKE,
@@ -29,9 +30,9 @@ CHECKS = {
     "gpu_mooncake_check.py": SMOKE,  # --cases host:host
     "gpu_staging_bandwidth.py": HELP,  # CUDA copies only
     "gpu_fp8_quant_check.py": SMOKE,  # --device cpu: exactness and throughput of the eager path
-    "gpu_verl_replica.py": (COVERED, "test_gpu_verl_replica.py"),  # --rollout loopback, the whole flow
-    "grpo_check.py": (COVERED, "test_grpo_check.py"),  # probe, fresh and summary on recorded logs
-    "grpo_report.py": (COVERED, "test_grpo_report.py"),  # JSON, table and PNG from recorded runs
+    "gpu_verl_replica.py": SMOKE,  # --rollout loopback: both managers (its checks: test_gpu_verl_replica.py)
+    "grpo_check.py": SMOKE,  # summary on recorded logs (probe and fresh: test_grpo_check.py)
+    "grpo_report.py": SMOKE,  # JSON and table from a recorded run (more: test_grpo_report.py)
     "measure_verify_first_push.py": SMOKE,  # --smoke: tiny model, one repeat
     "cost_growth.py": (COVERED, "test_real_sizes.py"),  # --device cpu --width tiny: the loopback rollout
     "gpu_real_sizes.sh": SHELL,  # and its dry step in tests/test_real_sizes.py
@@ -67,7 +68,7 @@ def test_shell_scripts_parse(name):
     assert done.returncode == 0, done.stderr
 
 
-@pytest.mark.parametrize("name", [n for n, how in CHECKS.items() if how == HELP or isinstance(how, tuple)])
+@pytest.mark.parametrize("name", [n for n, how in CHECKS.items() if n.endswith(".py")])
 def test_help_shows_every_option_the_parser_declares(name):
     source = (SCRIPTS / name).read_text()
     declared = set(re.findall(r"add_argument\(\s*\"(--[a-z0-9-]+)\"", source))
@@ -80,10 +81,54 @@ def test_help_shows_every_option_the_parser_declares(name):
     assert not declared - shown, f"{name} --help lacks {sorted(declared - shown)}"
 
 
-@pytest.mark.parametrize("name", [n for n, how in CHECKS.items() if isinstance(how, tuple)])
-def test_covering_test_runs_the_script(name):
-    text = (ROOT / "tests" / CHECKS[name][1]).read_text()
-    assert f'"{name}"' in text or f"scripts/{name}" in text or f"import {name.removesuffix('.py')}" in text
+def test_every_smoke_script_runs_here():
+    """A smoke script's check is a run of it in this file: `run("scripts/<name>", ...)` in some test here."""
+    source = Path(__file__).read_text()
+    ran = set(re.findall(r'"scripts/([a-z0-9_]+\.py)"', source))
+    missing = sorted(n for n, how in CHECKS.items() if how == SMOKE and n not in ran)
+    assert missing == [], f"smoke scripts no test here runs: {missing}"
+
+
+def test_grpo_check_summary_smoke(tmp_path):
+    from test_grpo_check import CHECKED, console
+
+    lines = ["step:0 - val-core/tiny_repeat/reward/mean@1:0.01", CHECKED] + [console(i) for i in (1, 2, 3, 4)]
+    (tmp_path / "run.log").write_text("\n".join(lines) + "\n")
+    (tmp_path / "compare.json").write_text(json.dumps({"equal": True, "version": "4"}))
+    (tmp_path / "probe.json").write_text(json.dumps({"records": {"0": {}, "4": {}, "10": {}}}))
+    out = tmp_path / "summary.json"
+    run(
+        "scripts/grpo_check.py",
+        *("summary", "--log", str(tmp_path / "run.log"), "--metrics", str(tmp_path / "metrics.jsonl")),
+        *("--probe", str(tmp_path / "probe.json"), "--compare", str(tmp_path / "compare.json")),
+        *("--steps", "4", "--rc", "0", "--out", str(out)),
+    )
+    summary = json.loads(out.read_text())
+    assert summary["ok"] and summary["steps_completed"] == 4
+
+
+def test_grpo_report_smoke(tmp_path):
+    from test_grpo_report import write_run
+
+    folder = write_run(tmp_path / "p2p", [5.0, 1.0, 1.0], paused=True)
+    out = tmp_path / "out"
+    run("scripts/grpo_report.py", str(folder), "--names", "p2p", "--out-dir", str(out), "--table", "table.txt")
+    assert json.loads((out / "p2p.json").read_text())["checks"]["ok"] is True
+    assert "p2p" in (out / "table.txt").read_text()
+
+
+@pytest.mark.slow  # a trainer, a loopback rollout and verl's managers
+@pytest.mark.timeout(600)
+def test_gpu_verl_replica_smoke_with_the_loopback_rollout(tmp_path):
+    out = tmp_path / "report.json"
+    run(
+        str(ROOT / "scripts/gpu_verl_replica.py"),  # run from tmp_path: what it leaves in its cwd stays there
+        *("--rollout", "loopback", "--out", str(out), "--workdir", str(tmp_path)),
+        timeout=560,
+        cwd=tmp_path,
+    )
+    report = json.loads(out.read_text())
+    assert report["ok"] and {s["name"].split("/")[0] for s in report["steps"]} >= {"stock", "p2p_manager"}
 
 
 # ---- smoke runs ------------------------------------------------------------------------------------------------

@@ -50,6 +50,7 @@ def test_soak_names_every_fault_and_never_resumes_a_stale_replica():
         assert fault["outcome"] == "passed" and fault["retried"] == [f"engine {fault['engine']} rank {fault['rank']}"]
     for kind in ("frozen_rank", "partial_push", "killed_rank", "http_500", "slow_control_call", "flush_refused"):
         assert outcomes[kind]["outcome"] == "failed" and outcomes[kind]["stale"] == [outcomes[kind]["engine"]]
+    assert report["leaks"] == [] and report["ok"], report["leaks"]  # judged after each instance's warm-up
     resources = report["resources"]
     assert resources["threads"]["final"] <= resources["threads"]["after_warmup"]
     assert resources["fds"]["final"] <= resources["fds"]["after_warmup"]
@@ -77,4 +78,5 @@ def test_trainer_process_soak_names_every_fault_and_recovers(tmp_path):
     ]
     assert all(outcomes[k]["outcome"] == "failed" for k in ("trainer_killed", "wrong_session", "scheduler_frozen"))
     assert set(report["slopes_after_warmup"]) == {"driver", "trainer", "server"}
+    assert report["leaks"] == [] and report["ok"] and report["leak_limits"]["fds"]["per_100_syncs"] == 10.0
     assert out.exists()

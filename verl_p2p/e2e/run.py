@@ -10,10 +10,11 @@ generation are the rollout's own before any sync, set 1's are the fresh rollout'
    expectation, and (real SGLang) the first generation after the sync equals the expectation. The same prompt is
    sent before each sync, so a prefix cache still holding KV of the old weights shows up as a mismatch.
 2. drills, each followed by a recovery sync that must restore exact weights and equal generations:
-   `kill` (the trainer process SIGKILLed mid-push, after its first batch of writes), `wrong_session` (the push
-   aimed at a Mooncake session that does not exist, as after a rollout restart), `paused_call` (control calls and
-   a generation request sent while the rollout is paused for the sync: they must be answered, and the request must
-   be served after the sync, with the new weights).
+   `kill` (the trainer process SIGKILLed mid-push, half-way through its first batch of writes; checked: the rollout
+   then holds some but not all new bytes), `wrong_session` (the push aimed at a Mooncake session that does not
+   exist, as after a rollout restart), `paused_call` (control calls and a generation request sent while the
+   rollout is paused for the sync: they must be answered, and the request must be served after the sync, with
+   the new weights).
 `--fp8`: every rollout (the one under test and the fresh ones) starts from the 128x128 block-FP8 copy of its
 checkpoint that the trainer's quantizer writes (`trainer/fp8_checkpoint.py`), and the trainer, still bf16,
 names it in `rollout_model_path`: every check above then proves FP8 bytes (needs `--size gpu`, whose shapes
@@ -30,52 +31,19 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-# Model shapes. "tiny": the CPU sandbox's (CI, loopback). "gpu": big enough that a push measures bandwidth.
-# "4b": Qwen3-4B's shape (tied embeddings, about 8 GB in bf16): a sync of a few GB, where the pause figures show.
-SIZES: dict[str, dict[str, dict[str, Any]]] = {
-    # deepseek_v3 / glm4_moe: the sandbox's tiny DeepSeek-V3 (MLA, dense first layer, shared expert) and GLM-4.5;
-    # a post-load (MLA) model needs a rollout with weight-update sessions (SGLang >= 0.5.21), else it is refused
-    "tiny": {"qwen3": {}, "qwen3_moe": {}, "deepseek_v3": {}, "glm4_moe": {}},
-    "gpu": {
-        "qwen3": dict(
-            vocab_size=32000,
-            hidden_size=1024,
-            intermediate_size=2816,
-            num_hidden_layers=8,
-            num_attention_heads=16,
-            num_key_value_heads=4,
-            head_dim=64,
-        ),
-        "qwen3_moe": dict(
-            vocab_size=32000,
-            hidden_size=1024,
-            intermediate_size=2816,
-            num_hidden_layers=4,
-            num_attention_heads=16,
-            num_key_value_heads=4,
-            head_dim=64,
-            num_experts=32,
-            num_experts_per_tok=4,
-            moe_intermediate_size=512,
-        ),
-    },
-}
-SIZES["4b"] = {
-    "qwen3": dict(
-        vocab_size=151936,
-        hidden_size=2560,
-        intermediate_size=9728,
-        num_hidden_layers=36,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        tie_word_embeddings=True,
-    )
-}
+from verl_p2p.e2e.checks import Check, Expectation, IndistinctWeightSetsError, require_distinct_generations
+from verl_p2p.e2e.drills import Drills
+from verl_p2p.e2e.records import SyncRecord, pause_and_raw_figures, paused_seconds
+from verl_p2p.e2e.sizes import SIZES
+
+# the names tests and scripts import from here
+_require_distinct_generations = require_distinct_generations
+__all__ = ["SIZES", "Check", "Expectation", "Harness", "IndistinctWeightSetsError", "SyncRecord", "main"]
+
 PROMPT = [3, 17, 42, 99, 7, 150, 23, 88, 5, 61, 200, 14, 9, 77, 31, 128]
 # the generations a drill sends (while paused, while stale) use their own prompt: no prefix in common with PROMPT, so
 # they never leave PROMPT in the radix cache when the check's own generation comes. A cached prompt's greedy output
@@ -86,104 +54,7 @@ NEW_TOKENS = 16
 DRILLS = ("kill", "wrong_session", "paused_call")
 
 
-@dataclass
-class Expectation:
-    checksums: dict[str, str]
-    generation: list[int] | None  # PROMPT, the first generation after a flush (a fresh prefill)
-    side_generation: list[int] | None = None  # SIDE_PROMPT, likewise
-
-
-class IndistinctWeightSetsError(RuntimeError):
-    """Both weight sets generate the same tokens: the generation check could not catch stale weights."""
-
-
-def _require_distinct_generations(arch: str, expect: dict[int, Expectation]) -> None:
-    """Refuse a run whose generation check would pass with the old weights still served: for classes whose
-    derived tensors (MLA's w_kc / w_vc) no checksum covers, the generations are the only proof of the rebuild."""
-    a, b = expect[0], expect[1]
-    if a.generation is None or b.generation is None:
-        return  # a rollout without generation (the loopback stand-in): checksums only
-    if (a.generation, a.side_generation) == (b.generation, b.side_generation):
-        raise IndistinctWeightSetsError(
-            f"{arch}: both weight sets generate {a.generation} (and {a.side_generation} for the side prompt), so "
-            "equal generations would not show that a sync took effect; use a model whose layers shape the "
-            "output (write_tiny_checkpoint(init='model')) or another --seed"
-        )
-
-
-@dataclass
-class Check:
-    name: str
-    ok: bool
-    detail: str = ""
-
-
-@dataclass
-class SyncRecord:
-    index: int
-    version: str
-    weights: int
-    drill: str | None
-    outcome: str  # "ok" | "failed" (a drill's expected failure, or a real one)
-    error: str = ""
-    phases: dict[str, float] = field(default_factory=dict)
-    push: dict[str, Any] = field(default_factory=dict)
-    paused_s: float = 0.0
-    checks: list[Check] = field(default_factory=list)
-    notes: dict[str, Any] = field(default_factory=dict)
-
-
-def paused_seconds(phases: dict[str, float]) -> float:
-    """How long the sync held the rollout paused, less the check_weight_update_equal steps it was asked for."""
-    return phases.get("paused", 0.0) - phases.get("check_arm", 0.0) - phases.get("check_compare", 0.0)
-
-
-def _median(values: list[float]) -> float | None:
-    """The middle value; of an even count the upper of the two (the conservative side for a ratio goal)."""
-    values = sorted(values)
-    return values[len(values) // 2] if values else None
-
-
-def pause_and_raw_figures(records: list[SyncRecord]) -> dict[str, Any]:
-    """Issue 18's figures: paused seconds of the first sync (less the weights checker's steps), of the first sync
-    after a trainer restart and of the steady-state syncs, their ratios (goal <= 1.5), and each raw-replay sync's
-    push beside raw Mooncake writes of the same write lists (goal <= 1.25)."""
-    ok = [r for r in records if r.outcome == "ok"]
-    first = ok[0] if ok and ok[0].index == 0 else None
-    restarted = [r for r in ok if r.notes.get("first_after_trainer_restart")]
-    steady = [
-        r.paused_s
-        for r in ok
-        if r is not first
-        and not r.drill
-        and not r.notes.get("raw_replay")
-        and r not in restarted
-        and not r.notes.get("replanned_in_pause")
-    ]
-    steady_s = _median(steady)
-    raw = [r.push for r in ok if r.notes.get("raw_replay") and "raw_seconds" in r.push]
-    out: dict[str, Any] = {
-        "first_sync_paused_s": first.paused_s if first else None,
-        "first_after_trainer_restart_paused_s": restarted[0].paused_s if restarted else None,
-        "steady_state_paused_s": steady,
-        "steady_state_paused_median_s": steady_s,
-        "push_vs_raw": [
-            {k: p[k] for k in ("seconds", "raw_seconds", "push_over_raw", "push_over_raw_less_export", "bytes")}
-            for p in raw
-        ],
-        "push_over_raw_median": _median([p["push_over_raw"] for p in raw]),
-        "push_over_raw_less_export_median": _median([p["push_over_raw_less_export"] for p in raw]),
-        "goals": {"paused_over_steady": 1.5, "push_over_raw": 1.25},
-    }
-    if steady_s:
-        if first is not None:
-            out["first_over_steady"] = first.paused_s / steady_s
-        if restarted:
-            out["restart_over_steady"] = restarted[0].paused_s / steady_s
-    return out
-
-
-class Harness:
+class Harness(Drills):
     """One model: its rollout under test, the trainer process, the expectations, the lifecycle."""
 
     def __init__(self, args: argparse.Namespace, arch: str, index: int, workdir: Path):
@@ -283,7 +154,7 @@ class Harness:
         fresh_client.close()
         self.fresh.stop()  # frees its GPU memory; the expectation is kept
         self.info["expected_generations"] = {k: e.generation for k, e in self.expect.items()}
-        _require_distinct_generations(self.arch, self.expect)
+        require_distinct_generations(self.arch, self.expect)
         self.info["checksummed_tensors"] = len(self.expect[0].checksums)
         differing = sum(self.expect[0].checksums[k] != v for k, v in self.expect[1].checksums.items())
         self.info["tensors_differing_between_sets"] = differing
@@ -385,6 +256,8 @@ class Harness:
         except SyncError as exc:
             record.outcome, record.error = "failed", str(exc)
             record.notes["stale_engines"] = sorted(exc.stale_engines)
+        if drill == "kill":  # what the killed push left, before anything else writes the rollout
+            record.checks.append(await self._killed_mid_push(marker, weights))
         if settle is not None:
             settle()
         self.stale = record.outcome != "ok" and bool(record.notes.get("stale_engines"))
@@ -433,102 +306,6 @@ class Harness:
                     f"got {got}, fresh rollout {expected.generation}",
                 )
             )
-
-    async def _after_failure(self, record: SyncRecord) -> None:
-        """What the failure left: the server must stay serviceable, and not serve unknown weights."""
-        try:
-            await self.client.server_info(timeout=10)
-            serviceable = True
-        except Exception as exc:  # noqa: BLE001 - recorded
-            serviceable, record.notes["server_info_error"] = False, str(exc)
-        record.checks.append(Check("server_serviceable_after_failure", serviceable and self.rollout.alive()))
-        if not self.rollout.generates:
-            paused = not self.rollout.serving()
-            record.checks.append(Check("unknown_weights_not_served", paused, "paused" if paused else "resumed"))
-        else:
-            # SGLang holds a request that comes while paused and serves it on resume: it must not answer now, and
-            # must answer with the weights of the sync that resumes it (checked there)
-            task = asyncio.ensure_future(self._generate(self.rollout, self.client, timeout=600, side=True))
-            await asyncio.wait({task}, timeout=getattr(self.args, "probe_timeout", 5))
-            if task.done() and task.exception() is None:
-                record.notes["served_after_failure"] = task.result()
-                ok = False
-            else:
-                what = f"failed ({type(task.exception()).__name__})" if task.done() else "held"
-                record.notes["generate_after_failure"] = f"not served ({what})"
-                ok = True
-                if not task.done():
-                    self.held_generations.append((task, getattr(self.rollout, "starts", 0)))
-            record.checks.append(Check("unknown_weights_not_served", ok, str(record.notes.get("served_after_failure"))))
-
-    async def _killed_push(self, marker: Path, record: SyncRecord) -> dict:
-        """Start a push that stalls after its first batch of writes, SIGKILL the trainer there, start a new one."""
-        call = asyncio.ensure_future(
-            asyncio.to_thread(self.trainer.call, "push", {"stall_after_batches": 1, "stall_marker": str(marker)})
-        )
-        t0 = time.perf_counter()
-        while not marker.exists() and not call.done() and time.perf_counter() - t0 < 120:
-            await asyncio.sleep(0.01)
-        record.notes["killed_mid_push"] = marker.exists()
-        record.notes["kill_after_s"] = round(time.perf_counter() - t0, 4)
-        self.trainer.kill()
-        await call  # raises TrainerDied
-        raise AssertionError("unreachable: the killed trainer answered")
-
-    async def _paused_calls(self, record: SyncRecord) -> dict[str, asyncio.Task]:
-        """While paused for the sync: control calls must be answered; a generation must wait for the new weights."""
-        answers = {}
-        for name, call in (
-            ("server_info", lambda: self.client.server_info(timeout=10)),
-            ("flush_cache", lambda: self.client.flush_cache(timeout=10)),
-            ("checksum", lambda: self.rollout.checksums(self.client)),
-        ):
-            try:
-                await call()
-                answers[name] = "answered"
-            except Exception as exc:  # noqa: BLE001 - recorded and checked
-                answers[name] = f"{type(exc).__name__}: {exc}"
-        record.notes["control_calls_while_paused"] = answers
-        record.checks.append(
-            Check("control_calls_answered_while_paused", all(v == "answered" for v in answers.values()), str(answers))
-        )
-        if not self.rollout.generates:
-            return {}
-        sent = time.perf_counter()
-        task = asyncio.ensure_future(self._generate(self.rollout, self.client, timeout=300, side=True))
-        await asyncio.sleep(0.5)
-        record.notes["generation_sent_while_paused_done_before_resume"] = task.done()
-        record.notes["generation_sent_at"] = sent
-        return {"generation_while_paused": task}
-
-    async def _held_results(self, record: SyncRecord, weights: int) -> None:
-        """The generations a stale rollout held: served now that a sync wrote it, with that sync's weights (one
-        sent to a server process since restarted died with it, and is only noted)."""
-        held, self.held_generations = self.held_generations, []
-        for task, server_start in held:
-            try:
-                got = await asyncio.wait_for(task, timeout=120)
-            except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001 - recorded and checked
-                if server_start != getattr(self.rollout, "starts", 0):
-                    record.notes.setdefault("held_generations_lost_in_restart", []).append(type(exc).__name__)
-                    continue
-                got = f"{type(exc).__name__}: {exc}"
-            expected = self.expect[weights].side_generation
-            record.checks.append(
-                Check("generation_held_while_stale_served_with_new_weights", got == expected, f"got {got}")
-            )
-
-    async def _side_result(self, record: SyncRecord, name: str, task: asyncio.Task, weights: int) -> None:
-        try:
-            got = await task
-        except Exception as exc:  # noqa: BLE001 - recorded and checked
-            record.checks.append(Check(name, False, f"{type(exc).__name__}: {exc}"))
-            return
-        expected = self.expect[weights].side_generation
-        waited = not record.notes.get("generation_sent_while_paused_done_before_resume", True)
-        record.checks.append(
-            Check(f"{name}_served_after_sync_with_new_weights", got == expected and waited, f"got {got}")
-        )
 
     # ---- the run -----------------------------------------------------------------------------------------------
 

@@ -6,7 +6,8 @@ process (its Megatron model, the real Writer and Mooncake), expectations from th
 from the rollout before any sync, set 1 from a fresh rollout started on it). Syncs alternate sets 0 and 1. The
 faults, in turn (a process restart counts against `--max-restarts` per kind; once used up, that kind is skipped):
 
-- `trainer_killed`: the trainer SIGKILLed mid-push, after its first batch of writes; a new trainer process starts.
+- `trainer_killed`: the trainer SIGKILLed mid-push, half-way through its first batch of writes; a new trainer
+  process starts.
   Predicted: the sync fails naming the dead trainer; the rollout is stale (paused, never resumed).
 - `wrong_session`: the trainer writes to a Mooncake session nobody listens on (a stale plan after a restart).
   Predicted: fails naming that session; stale.
@@ -23,7 +24,8 @@ around a fault: the faulted sync and its recovery); the loopback records no viol
 after a fault must pass. Resources are sampled after every sync: this driver's and the trainer's RSS, open fds and
 threads, and the server's RSS and GPU memory (nvidia-smi, per process of the server; real SGLang only). The JSON
 has their slopes per 100 syncs after warm-up (per process instance: a restarted trainer or server starts a new
-one, whose first `--warmup` syncs are left out too). Exit status 1 when anything was not as predicted.
+one, whose first `--warmup` syncs are left out too); RSS, fds or threads growing past the leak limits
+(`verl_p2p/e2e/leaks.py`) fail the run. Exit status 1 when anything was not as predicted or a process leaked.
 """
 
 from __future__ import annotations
@@ -37,9 +39,11 @@ import subprocess
 import tempfile
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from verl_p2p.e2e.leaks import LeakLimits, judge_leaks, proc_resources, slope_per_100
 
 FAULTS = ("trainer_killed", "wrong_session", "scheduler_frozen", "server_restarted")
 RESTARTING = {"trainer_killed": "trainer", "server_restarted": "server"}  # what the fault makes restart
@@ -61,6 +65,7 @@ class RealSoakOptions:
     generate_every: int = 1  # greedy generations compared every N-th sync, and always around a fault
     mem_fraction: float = 0.12
     time_budget_s: float | None = None  # stop starting syncs after this long (the report says where it stopped)
+    leak_limits: LeakLimits = field(default_factory=LeakLimits)  # growth after warm-up that fails the run
     workdir: str | None = None
     out: str | None = None
     command: str = ""
@@ -84,17 +89,6 @@ def predict(kind: str) -> Prediction:
     if kind == "server_restarted":
         return Prediction(False, retried=True)
     raise ValueError(f"unknown fault {kind!r}; known: {FAULTS}")
-
-
-def proc_resources(pid: int | str = "self") -> dict[str, float] | None:
-    """RSS (MB), threads and open fds of one process; None once it is gone."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-        fds = len(os.listdir(f"/proc/{pid}/fd"))
-    except OSError:
-        return None
-    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-    return {"rss_mb": int(fields["VmRSS"].split()[0]) / 1024.0, "threads": int(fields["Threads"]), "fds": fds}
 
 
 def _nvidia_smi(query: str) -> list[list[str]] | None:
@@ -123,24 +117,6 @@ def gpu_memory_mb(pids: list[int]) -> tuple[float | None, float | None]:
             used, seen = used + float(parts[1]), True
     whole = float(total[0][0]) if total and total[0] and total[0][0].replace(".", "").isdigit() else None
     return (used if seen else None), whole
-
-
-def slope_per_100(samples: list[dict], key: str, warmup: int) -> float | None:
-    """Least-squares slope of `key` per 100 syncs, pooled within process instances (each its own intercept),
-    leaving out the first `warmup` syncs of every instance. None when too few samples."""
-    groups: dict[Any, list[tuple[int, float]]] = {}
-    for s in samples:
-        if s.get(key) is not None and s["sync"] - s["instance_start"] >= warmup:
-            groups.setdefault(s["instance"], []).append((s["sync"], float(s[key])))
-    num = den = 0.0
-    for points in groups.values():
-        if len(points) < 2:
-            continue
-        mx = sum(x for x, _ in points) / len(points)
-        my = sum(y for _, y in points) / len(points)
-        num += sum((x - mx) * (y - my) for x, y in points)
-        den += sum((x - mx) ** 2 for x, _ in points)
-    return round(100.0 * num / den, 4) if den else None
 
 
 class RealSoak:
@@ -336,12 +312,9 @@ class RealSoak:
 
     def _summary(self, seconds: float, setup_s: float) -> dict[str, Any]:
         warm = self.options.warmup
-        keys = {"driver": ("rss_mb", "fds", "threads"), "trainer": ("rss_mb", "fds", "threads")}
-        keys["server"] = ("rss_mb", "fds", "threads", "gpu_mb", "gpu0_total_mb")
-        slopes = {
-            who: {f"{k}_per_100_syncs": slope_per_100(self.samples[who], k, warm) for k in ks}
-            for who, ks in keys.items()
-        }
+        slopes, leaks = judge_leaks(self.samples, warm, self.options.leak_limits)
+        for k in ("gpu_mb", "gpu0_total_mb"):  # reported, not judged: nvidia-smi is not always there to read
+            slopes["server"][f"{k}_per_100_syncs"] = slope_per_100(self.samples["server"], k, warm)
         last = {who: (s[-1] if s else None) for who, s in self.samples.items()}
         by_kind = Counter(f["kind"] for f in self.faults)
         return {
@@ -362,8 +335,10 @@ class RealSoak:
             "restarts": dict(self.restarts),
             "stale_replicas_resumed": len(self.stale_resumed),
             "stale_replicas_resumed_at_syncs": self.stale_resumed,
-            "ok": not self.unexpected,
+            "ok": not self.unexpected and not leaks,
             "unexpected": self.unexpected,
+            "leaks": leaks,
+            "leak_limits": asdict(self.options.leak_limits),
             "slopes_after_warmup": slopes,
             "last_sample": last,
             "seconds_total": round(seconds, 1),

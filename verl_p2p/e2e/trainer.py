@@ -110,16 +110,19 @@ def _serve(spec: TrainerSpec, conn: Any) -> None:
 
             source.writer.submit = recording_submit
         stall_after = options.get("stall_after_batches")
-        if stall_after is not None:  # drill: stop for good after that many batches were handed to the writer
+        if stall_after is not None:  # drill: stop for good in the middle of batch `stall_after`
             submit, submitted = source.writer.submit, [0]
 
             def stalling_submit(entries):
-                batch = submit(entries)
+                entries = list(entries)
                 submitted[0] += 1
-                if submitted[0] >= stall_after:
-                    Path(options["stall_marker"]).touch()
-                    time.sleep(3600)  # the parent SIGKILLs this process here, mid-push
-                return batch
+                if submitted[0] < stall_after:
+                    return submit(entries)
+                # only the first half of this batch goes out (and lands): a small model's push is one batch, so
+                # stopping after a whole batch would leave nothing unwritten and the kill would not be mid-push
+                submit(entries[: max(1, len(entries) // 2)]).wait()
+                Path(options["stall_marker"]).touch()
+                time.sleep(3600)  # the parent SIGKILLs this process here, mid-push
 
             source.writer.submit = stalling_submit
         try:

@@ -339,9 +339,55 @@ def build_meta_model(ctx: RankContext) -> torch.nn.Module:
         refuse_unsupported_class(cls)
         load_config = LoadConfig(load_format="auto", tp_rank=ctx.layout.tp_rank)
         quant_config = rank_quant_config(ctx.model_config, load_config)
-        with block_rule_refusal(ctx.layout), set_default_torch_dtype(ctx.model_config.dtype), torch.device("meta"):
+        with (
+            block_rule_refusal(ctx.layout),
+            set_default_torch_dtype(ctx.model_config.dtype),
+            host_device_answer(ctx),
+            torch.device("meta"),
+        ):
             model = _initialize_model(ctx.model_config, load_config, quant_config)
     return model.eval()
+
+
+def host_has_accelerator() -> bool:
+    """Whether this (trainer) host can place tensors where a CUDA rollout rank does."""
+    return torch.cuda.is_available()
+
+
+@contextmanager
+def host_device_answer(ctx: RankContext) -> Iterator[str | None]:
+    """Inside the active rank context `ctx`: model classes that ask SGLang for the device while being built (MLA's
+    yarn rope: `get_rope_wrapper(device=...)`) are answered `cpu` on a host without an accelerator.
+
+    The rollout's `/server_info` says `cuda`; SGLang then asks the platform, which raises "No accelerator" on a CPU
+    trainer host. Only buffers SGLang computes at start-up (rope caches) take that device; they are never published
+    nor written, so the plan's bytes are the same either way. Yields the device answered, or None where the
+    question is left to SGLang (a host with an accelerator).
+    """
+    if host_has_accelerator():
+        yield None
+        return
+    bag = _runtime_device_bag()
+    if bag is not None:  # SGLang 0.5.21 on: the active runtime context's device bag
+        with bag.override(device="cpu"):
+            yield "cpu"
+        return
+    record = ctx.server_args  # up to 0.5.19: the rank's ServerArgs record, the process's global while active
+    previous = record.device
+    record.device = "cpu"
+    try:
+        yield "cpu"
+    finally:
+        record.device = previous
+
+
+def _runtime_device_bag():
+    """The active runtime context's device bag (SGLang 0.5.21 on), else None (module-global releases)."""
+    try:
+        from sglang.srt.runtime_context import get_device
+    except ImportError:
+        return None
+    return get_device()
 
 
 def meta_hf_tensors(hf_specs: HFSpecs) -> dict[str, torch.Tensor]:

@@ -1,0 +1,48 @@
+"""The model shapes `verl-p2p e2e` and the soaks write their checkpoints at, by `--size` and model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Model shapes. "tiny": the CPU sandbox's (CI, loopback). "gpu": big enough that a push measures bandwidth.
+# "4b": Qwen3-4B's shape (tied embeddings, about 8 GB in bf16): a sync of a few GB, where the pause figures show.
+SIZES: dict[str, dict[str, dict[str, Any]]] = {
+    # deepseek_v3 / glm4_moe: the sandbox's tiny DeepSeek-V3 (MLA, dense first layer, shared expert) and GLM-4.5;
+    # a post-load (MLA) model needs a rollout with weight-update sessions (SGLang >= 0.5.21), else it is refused
+    "tiny": {"qwen3": {}, "qwen3_moe": {}, "deepseek_v3": {}, "glm4_moe": {}},
+    "gpu": {
+        "qwen3": dict(
+            vocab_size=32000,
+            hidden_size=1024,
+            intermediate_size=2816,
+            num_hidden_layers=8,
+            num_attention_heads=16,
+            num_key_value_heads=4,
+            head_dim=64,
+        ),
+        "qwen3_moe": dict(
+            vocab_size=32000,
+            hidden_size=1024,
+            intermediate_size=2816,
+            num_hidden_layers=4,
+            num_attention_heads=16,
+            num_key_value_heads=4,
+            head_dim=64,
+            num_experts=32,
+            num_experts_per_tok=4,
+            moe_intermediate_size=512,
+        ),
+    },
+}
+SIZES["4b"] = {
+    "qwen3": dict(
+        vocab_size=151936,
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+    )
+}

@@ -70,15 +70,9 @@ weights1_to_shm() { # ARCH BYTES
     done
 }
 
-e2e() { # verl-p2p e2e with `--size real` registered
-    timeout "$LIMIT_S" "$py" - --rollout sglang --size real --workdir "$WORK" --bucket-mb 512 --transfer-timeout 120 \
-        --http-timeout 120 "$@" <<'PY'
-import sys
-from verl_p2p.e2e import run
-from verl_p2p.e2e.real_sizes import REAL_SIZES
-run.SIZES.setdefault("real", REAL_SIZES)
-sys.exit(run.main(sys.argv[1:]))
-PY
+e2e() { # verl-p2p e2e at the real widths (`--size real`)
+    timeout "$LIMIT_S" "$py" -m verl_p2p.e2e.run --rollout sglang --size real --workdir "$WORK" --bucket-mb 512 \
+        --transfer-timeout 120 --http-timeout 120 "$@"
 }
 
 run_e2e() { # ARCH QUANT NAME

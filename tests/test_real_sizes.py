@@ -222,3 +222,11 @@ def test_gpu_steps_take_their_mem_fractions_from_the_arithmetic(tmp_path):
         ("qwen3-fp8: e2e --models qwen3_moe --fp8", budget_of(qwen3, "fp8").mem_fraction),
     ):
         assert f"{line} --mem-fraction {fraction}" in done.stdout.replace("  ", " "), done.stdout
+
+
+def test_e2e_takes_size_real_with_the_real_shapes():
+    """`verl-p2p e2e --size real` is what scripts/gpu_real_sizes.sh runs: the shapes must be registered there."""
+    from verl_p2p.e2e.real_sizes import REAL_SIZES
+    from verl_p2p.e2e.sizes import SIZES
+
+    assert SIZES["real"] is REAL_SIZES and set(REAL_SIZES) >= {"deepseek_v3", "qwen3_moe"}

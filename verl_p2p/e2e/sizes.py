@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from verl_p2p.e2e.real_sizes import REAL_SIZES
+
 # Model shapes. "tiny": the CPU sandbox's (CI, loopback). "gpu": big enough that a push measures bandwidth.
 # "4b": Qwen3-4B's shape (tied embeddings, about 8 GB in bf16): a sync of a few GB, where the pause figures show.
 SIZES: dict[str, dict[str, dict[str, Any]]] = {
@@ -46,3 +48,6 @@ SIZES["4b"] = {
         tie_word_embeddings=True,
     )
 }
+# "real": the widths p2p exists for (DeepSeek-V3 with a dense and a MoE layer, Qwen3-30B-A3B at the depth one H200
+# holds beside a fresh server); `real_sizes.py` has the shapes and the memory arithmetic behind the depth
+SIZES["real"] = REAL_SIZES

@@ -79,6 +79,7 @@ def test_two_runs_side_by_side_with_the_steady_state_ratio(tmp_path):
     table = (out / "table.txt").read_text()
     assert "| 2 | 1.000 | 0.250 | 0.500 | 100 | 3.000 | - | - | - |" in table and "mooncake / p2p = 3.00" in table
     assert "| p2p | verl_p2p | 4 | 0.250 | 0.250 | 1.000 | 0.250 | 0.500 |" in table
+    assert "goal (issue 34)" not in table  # 4 steps: the first and last 10 overlap, no goal is judged
     assert (out / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -138,21 +139,48 @@ def test_learning_runs_are_judged_by_issue_34s_goals(tmp_path):
     )
 
 
-def test_the_committed_qwen3_4b_reports_say_paused_was_not_recorded(tmp_path):
-    """The Qwen3-4B reports on file were written when `paused_s` held p2p's phase/total_s: regenerated, that
-    figure is the total column and the paused window is "not recorded" (their JSONs keep no raw metrics)."""
+def old_report() -> dict:
+    """A report as grpo_report wrote it before phase/paused_s was read: `paused_s` held phase/total_s."""
+    steps = [
+        {"step": i, "sync_s": 1.0 + i / 100, "paused_s": 0.9 + i / 100, "push_s": 0.8, "bytes": 5.0, "reward_mean": 0.0}
+        for i in (1, 2, 3)
+    ]
+    attempt = {"name": "x_p2p_failed", "steps": steps[:1], "steady_paused_s_median": None, "checks": {"ok": False}}
+    return {
+        "name": "x_p2p", "checks": {"ok": True}, "steps": steps, "steady_sync_s_median": 1.025,
+        "steady_paused_s_median": 0.925, "earlier_attempts": [attempt],
+    }  # fmt: skip
+
+
+def test_a_report_from_before_paused_s_says_paused_was_not_recorded(tmp_path):
+    """Its `paused_s` figures become the total column and the paused window is "not recorded", in its earlier
+    attempts too; a migrated report migrates to itself."""
+    (tmp_path / "x_p2p.json").write_text(json.dumps(old_report()))
+    out = tmp_path / "out"
+    args = [str(tmp_path / "x_p2p.json"), "--from-reports", "--out-dir", str(out), "--table", "t"]
+    assert grpo_report.main(args) == 0
+    rep = json.loads((out / "x_p2p.json").read_text())
+    assert rep["backend"] == "verl_p2p" and rep["paused_s_note"].startswith("not recorded")
+    assert [s["total_s"] for s in rep["steps"]] == [0.91, 0.92, 0.93]
+    assert {s["paused_s"] for s in rep["steps"]} == {None}
+    assert rep["steady_total_s_median"] == 0.925 and rep["steady_paused_s_median"] is None
+    attempt = rep["earlier_attempts"][0]
+    assert attempt["backend"] == "verl_p2p" and attempt["steps"][0]["total_s"] == 0.91
+    assert attempt["steps"][0]["paused_s"] is None and "paused_s_note" not in attempt
+    assert "| 1 | 1.010 | not recorded | 0.910 | 5 |" in (out / "t").read_text()
+    again = tmp_path / "again"
+    assert grpo_report.main([str(out / "x_p2p.json"), "--from-reports", "--out-dir", str(again)]) == 0
+    assert json.loads((again / "x_p2p.json").read_text()) == rep
+
+
+def test_the_committed_qwen3_4b_table_is_what_its_jsons_give(tmp_path):
+    """docs/measurements' p2p-vs-mooncake table comes from its two JSONs as they are committed."""
     docs = ROOT / "docs" / "measurements"
     names = ["grpo_h200_one_step_off_qwen3_4b_p2p", "grpo_h200_one_step_off_qwen3_4b_mooncake"]
     reports = [str(docs / f"{n}.json") for n in names]
     assert grpo_report.main([*reports, "--from-reports", "--out-dir", str(tmp_path), "--table", "t.md"]) == 0
-    rep = json.loads((tmp_path / f"{names[0]}.json").read_text())
-    assert rep["backend"] == "verl_p2p" and rep["steps"][0]["paused_s"] is None
-    assert all(isinstance(s["total_s"], float) for s in rep["steps"])
-    assert json.loads((tmp_path / f"{names[1]}.json").read_text())["backend"] == "mooncake"
+    for name in names:  # already in the current form: regenerating changes nothing
+        assert json.loads((tmp_path / f"{name}.json").read_text()) == json.loads((docs / f"{name}.json").read_text())
     table = (tmp_path / "t.md").read_text()
-    first = rep["steps"][0]
-    assert f"| 1 | {first['sync_s']:.3f} | not recorded | {first['total_s']:.3f} |" in table
-    # migrating twice changes nothing
-    again = tmp_path / "again"
-    assert grpo_report.main([str(tmp_path / f"{names[0]}.json"), "--from-reports", "--out-dir", str(again)]) == 0
-    assert json.loads((again / f"{names[0]}.json").read_text()) == rep
+    assert table in (docs / "grpo_h200_one_step_off_qwen3_4b_p2p_vs_mooncake.md").read_text()
+    assert "| 1 | 0.885 | not recorded | 0.882 | 2392810496 | 9.449 | - | - | - |" in table

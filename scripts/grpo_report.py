@@ -268,7 +268,7 @@ def migrate(rep: dict, backend: str | None = None) -> dict:
     rep["steady_paused_s_median"] = None
     rep.setdefault("backend", backend or backend_of({"backend": rep.get("name", "").rsplit("_", 1)[-1]}))
     rep["reward"] = reward_summary(rep["steps"])
-    if backend is None and rep["backend"] == "verl_p2p":
+    if backend is None and any(isinstance(s["total_s"], (int, float)) for s in rep["steps"]):
         rep["paused_s_note"] = PAUSED_NOT_RECORDED
     if "earlier_attempts" in rep:
         rep["earlier_attempts"] = [migrate(a, rep["backend"]) for a in rep["earlier_attempts"]]

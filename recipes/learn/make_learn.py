@@ -2,12 +2,13 @@
 recipes/learn_fully_async.sh read them.
 
 - `<out>/model`: recipes/tiny/make_tiny.py's tiny Qwen3 (2 layers of width 256, random weights, word-level
-  tokenizer, bf16): one word is one token id.
+  tokenizer, bf16: one word is one token id) with its output head drawn small (`--head-std`), so the random policy
+  starts near uniform over the vocabulary (see `write_model`).
 - `<out>/data/{train,val}.parquet`: verl's RL dataset format. Every row names the same small set of target words
   (`reward_model.ground_truth`, space-separated) in its prompt after a random filler; recipes/learn/reward.py
   scores the share of response words in that set.
 
-Usage: python recipes/learn/make_learn.py OUT [--train 1024 --val 16 --seed 0 --targets 16]
+Usage: python recipes/learn/make_learn.py OUT [--train 1024 --val 16 --seed 0 --targets 16 --head-std 0.05]
 """
 
 from __future__ import annotations
@@ -82,11 +83,27 @@ def write_data(path: Path, task: LearnTask, n_train: int, n_val: int) -> None:
     pd.DataFrame(rows(task, n_val, "val", rng)).to_parquet(path / "val.parquet")
 
 
-def write_model(path: Path, seed: int) -> None:
-    """make_tiny's tiny model and tokenizer, unchanged: its random policy already spreads over the vocabulary
-    (distinct samples per group, test_learn_task.py)."""
+HEAD_STD = 0.05  # make_tiny's head draws 0.5
+
+
+def write_model(path: Path, seed: int, head_std: float = HEAD_STD) -> None:
+    """make_tiny's tiny model and tokenizer with the output head redrawn at `head_std` (same seed, reproducible).
+    make_tiny's head makes the random policy's next-token distribution sharp: GRPO groups soon hold identical
+    samples (zero advantage) and the policy can settle on one partly-rewarded response; a small head starts the
+    policy near uniform over the vocabulary."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    if head_std <= 0:
+        raise ValueError(f"--head-std {head_std}: must be > 0 (the output head's standard deviation)")
     make_tiny.write_model(path, seed, make_tiny.MODEL)
     make_tiny.write_tokenizer(path, make_tiny.MODEL["vocab_size"], make_tiny.MODEL["max_position_embeddings"])
+    weights = path / "model.safetensors"
+    tensors = load_file(str(weights))
+    head = tensors["lm_head.weight"]
+    gen = torch.Generator().manual_seed(seed + 1)
+    tensors["lm_head.weight"] = (torch.randn(head.shape, generator=gen) * head_std).to(head.dtype).contiguous()
+    save_file(tensors, str(weights), metadata={"format": "pt"})
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -96,9 +113,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--val", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--targets", type=int, default=16, help="how many word tokens earn reward")
+    parser.add_argument("--head-std", type=float, default=HEAD_STD, help="the output head's init standard deviation")
     args = parser.parse_args(argv)
     task = LearnTask(targets=args.targets, seed=args.seed)
-    write_model(args.out / "model", args.seed)
+    write_model(args.out / "model", args.seed, args.head_std)
     write_data(args.out / "data", task, args.train, args.val)
     print(f"learn model: {args.out / 'model'}  data: {args.out / 'data'}  targets: {' '.join(task.target_words)}")
 

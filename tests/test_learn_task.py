@@ -134,3 +134,30 @@ def test_the_random_init_policy_gives_grpo_groups_reward_variance(learn_dir, sco
         means.append(statistics.fmean(rewards))
     assert varied >= 3, means
     assert statistics.fmean(means) < 0.3  # far from the goal's 0.5: there is something to learn
+
+
+def test_the_small_head_starts_the_policy_near_uniform(learn_dir, tmp_path):
+    """The next-token entropy at the first response position: near log(vocabulary) for make_learn's model, near
+    one-hot with make_tiny's head (the sharp start GRPO can settle from with every sample of a group the same)."""
+    import math
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    def entropies(model_dir: Path) -> list[float]:
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        out = []
+        for row in make_learn.rows(make_learn.LearnTask(), 4, "train", random.Random(0)):
+            ids = tok.apply_chat_template(row["prompt"], add_generation_prompt=True, return_dict=True)["input_ids"]
+            with torch.no_grad():
+                p = torch.softmax(model(torch.tensor([ids])).logits[0, -1], -1)
+            out.append(float(-(p * p.clamp_min(1e-30).log()).sum()))
+        return out
+
+    uniform = math.log(make_learn.make_tiny.MODEL["vocab_size"])
+    assert min(entropies(learn_dir / "model")) > 0.9 * uniform
+    make_learn.write_model(tmp_path / "sharp", seed=0, head_std=0.5)  # make_tiny's own head
+    assert max(entropies(tmp_path / "sharp")) < 0.5 * uniform
+    with pytest.raises(ValueError, match="--head-std 0"):
+        make_learn.write_model(tmp_path / "bad", seed=0, head_std=0)

@@ -7,13 +7,13 @@
 #
 # Environment (all optional):
 #   SEED (1)              data order, Megatron init of the actor's RNG, rollout and SGLang sampling seeds
-#   LR (1e-3)             the actor's Adam learning rate
+#   LR (3e-4)             the actor's Adam learning rate
 #   GROUP (8)             GRPO group: samples per prompt (rollout.n)
 #   RESPONSE_LENGTH (16)  response tokens
 #   TEMPERATURE (1.0)     rollout sampling temperature (validation is greedy, verl's default)
 
 SEED=${SEED:-1}
-LR=${LR:-1e-3}
+LR=${LR:-3e-4}
 GROUP=${GROUP:-8}
 RESPONSE_LENGTH=${RESPONSE_LENGTH:-16}
 TEMPERATURE=${TEMPERATURE:-1.0}

@@ -74,6 +74,21 @@ def per_step(rows: list[dict]) -> list[dict]:
     return out
 
 
+def validation(rows: list[dict]) -> dict | None:
+    """verl's validation scores (`val-core/...`) at the first and the last step that logged them (before training:
+    step 0): issue 34 asks for them at the start and the end."""
+    by_step: dict[int, dict] = {}
+    for row in rows:
+        scores = {k: v for k, v in row.get("data", {}).items() if k.startswith("val-core/")}
+        if scores:
+            by_step.setdefault(int(row["step"]), {}).update(scores)
+    logged = sorted(by_step.items())
+    if not logged:
+        return None
+    (first, at_first), (last, at_last) = logged[0], logged[-1]
+    return {"start": {"step": first, "metrics": at_first}, "end": {"step": last, "metrics": at_last}}
+
+
 def syncs(summary: dict) -> list[dict]:
     """p2p's figures of each weight version it wrote, in version order (the summary's sync log lines)."""
     log = summary.get("p2p_sync_log") or {}
@@ -125,6 +140,7 @@ def report(name: str, summary: dict, rows: list[dict], command: str, device_s: f
         "steady_paused_s_median": median([s["paused_s"] for s in steps[1:]]),
         "steady_total_s_median": median([s.get("total_s") for s in steps[1:]]),
         "reward": reward_summary(steps),
+        "validation": validation(rows),
         "syncs": syncs(summary),
     }
     if "fully_async" in summary:
@@ -197,18 +213,32 @@ def _paused_cell(r: dict, value) -> str:
     return _fmt(value)
 
 
+def _validation_cell(val: dict | None) -> str:
+    """The first val-core metric (by name) at the start and the end, e.g. `acc/mean@1 0.031 -> 0.998 (steps 0, 60)`."""
+    if not val or not val["start"]["metrics"]:
+        return "-"
+    key = sorted(val["start"]["metrics"])[0]
+    end = val["end"]["metrics"].get(key)
+    return (
+        f"{key.split('/', 2)[-1]} {_fmt(val['start']['metrics'][key])} -> {_fmt(end)} "
+        f"(steps {val['start']['step']}, {val['end']['step']})"
+    )
+
+
 def summary_table(reports: list[dict]) -> str:
     """Per run: backend, steps, first-10 and last-10 mean reward, steady sync / paused / total seconds."""
     lines = [
-        "| run | backend | steps | reward first-10 | reward last-10 | sync s | paused s | total s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| run | backend | steps | reward first-10 | reward last-10 | validation start -> end | sync s | paused s "
+        "| total s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in reports:
         rew = r["reward"]
         lines.append(
             f"| {r['name']} | {r['backend']} | {rew['steps']} | {_fmt(rew['first10_mean'])} | "
-            f"{_fmt(rew['last10_mean'])} | {_fmt(r['steady_sync_s_median'])} | "
-            f"{_paused_cell(r, r['steady_paused_s_median'])} | {_fmt(r.get('steady_total_s_median'))} |"
+            f"{_fmt(rew['last10_mean'])} | {_validation_cell(r.get('validation'))} | "
+            f"{_fmt(r['steady_sync_s_median'])} | {_paused_cell(r, r['steady_paused_s_median'])} | "
+            f"{_fmt(r.get('steady_total_s_median'))} |"
         )
     return "\n".join(lines)
 

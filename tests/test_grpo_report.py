@@ -26,6 +26,7 @@ def write_run(
     pack: bool = False,
     backend: str = "p2p",
     rewards: list[float] | None = None,
+    val_end: float | None = None,
 ) -> Path:
     """A run folder as gpu_grpo_run.sh leaves it. p2p's lifecycle logs its paused window (abort .. resume) and its
     whole sync (connect and prepare before the abort, then the pause) as two metrics: here a quarter and a half
@@ -44,6 +45,8 @@ def write_run(
                 }
             )
         rows.append({"step": step, "data": data})
+    if val_end is not None:  # verl's validation after the last step, logged at that step
+        rows.append({"step": len(sync_s), "data": {"val-core/x": val_end}})
     summary = {"ok": ok, "steps_completed": len(sync_s), "first_sync_weight_check": {"verdict": "passed"}}
     summary["backend"] = backend
     summary["greedy_vs_fresh_server"] = {"greedy_equal": ok, "checksums_equal": ok, "checksums_compared": 19}
@@ -78,7 +81,7 @@ def test_two_runs_side_by_side_with_the_steady_state_ratio(tmp_path):
     assert other["backend"] == "mooncake"
     table = (out / "table.txt").read_text()
     assert "| 2 | 1.000 | 0.250 | 0.500 | 100 | 3.000 | - | - | - |" in table and "mooncake / p2p = 3.00" in table
-    assert "| p2p | verl_p2p | 4 | 0.250 | 0.250 | 1.000 | 0.250 | 0.500 |" in table
+    assert "| p2p | verl_p2p | 4 | 0.250 | 0.250 | x 0.000 -> 0.000 (steps 0, 0) | 1.000 | 0.250 | 0.500 |" in table
     assert "goal (issue 34)" not in table  # 4 steps: the first and last 10 overlap, no goal is judged
     assert (out / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -114,7 +117,7 @@ def test_learning_runs_are_judged_by_issue_34s_goals(tmp_path):
     and >= 3x first-10), their last-10 means within 0.1, the negative control flat (within 0.05)."""
     steps = 60
     rising = [min(0.05 + 0.02 * i, 0.9) for i in range(steps)]
-    p2p = write_run(tmp_path / "p2p", [0.02] * steps, paused=True, rewards=rising)
+    p2p = write_run(tmp_path / "p2p", [0.02] * steps, paused=True, rewards=rising, val_end=0.95)
     behind = [r - 0.03 for r in rising]
     moon = write_run(tmp_path / "moon", [0.2] * steps, paused=False, backend="mooncake", rewards=behind)
     flat = write_run(tmp_path / "ctl", [0.001] * steps, paused=False, backend="control", rewards=[0.05] * steps)
@@ -123,10 +126,13 @@ def test_learning_runs_are_judged_by_issue_34s_goals(tmp_path):
     assert grpo_report.main([*args, "--table", "t.md", "--png", "learn.png", "--require-goals"]) == 0
     rep = json.loads((out / "p2p.json").read_text())
     assert rep["reward"] == {"steps": 60, "first10_mean": pytest.approx(0.14), "last10_mean": 0.9}
+    assert rep["validation"]["start"] == {"step": 0, "metrics": {"val-core/x": 0.0}}
+    assert rep["validation"]["end"] == {"step": 60, "metrics": {"val-core/x": 0.95}}
     assert json.loads((out / "control.json").read_text())["backend"] == "control"
     table = (out / "t.md").read_text()
     assert "| p2p learns | last-10 mean >= 0.5 and >= 3 x first-10 mean |" in table
     assert "| control stays flat |" in table and "FAIL" not in table
+    assert "| p2p | verl_p2p | 60 | 0.140 | 0.900 | x 0.000 -> 0.950 (steps 0, 60) |" in table
     assert (out / "learn.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # a control whose reward rises (the rollout learned without the sync) fails the run's goals

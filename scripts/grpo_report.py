@@ -33,6 +33,7 @@ TOTAL = "checkpoint_engine/p2p/phase/total_s"
 PUSH = "checkpoint_engine/p2p/phase/push_s"
 BYTES = "checkpoint_engine/p2p/bytes"
 REWARD = "critic/rewards/mean"
+KL_LOSS = "actor/kl_loss"  # the actor's KL to the reference (its start): grows as the trainer's weights move
 SYNC_TOTAL = "checkpoint_engine/p2p/seconds/total"
 
 
@@ -69,6 +70,7 @@ def per_step(rows: list[dict]) -> list[dict]:
                 "push_s": data.get(PUSH),
                 "bytes": data.get(BYTES),
                 "reward_mean": data.get(REWARD),
+                "kl_loss": data.get(KL_LOSS),
             }
         )
     return out
@@ -182,7 +184,8 @@ def rises(r: dict) -> Goal:
 
 def goals(reports: list[dict]) -> list[Goal]:
     """Issue 34's goals over the runs given, by backend: each learning run (verl_p2p, mooncake) rises; p2p's and verl's
-    engine's last-10 means within 0.1 (the first run of each); the negative control stays within 0.05 of its start.
+    engine's last-10 means within 0.1 (the first run of each); the negative control stays within 0.05 of its start
+    while its trainer moves (the actor's KL to its reference grows).
     Only runs of at least two windows of steps are judged: in a shorter run the first and last 10 overlap."""
     by_backend: dict[str, list[dict]] = {}
     for r in (r for r in reports if r["reward"]["steps"] >= 2 * WINDOW):
@@ -199,6 +202,11 @@ def goals(reports: list[dict]) -> list[Goal]:
         out.append(
             Goal(f"{r['name']} stays flat", "|last-10 - first-10| <= 0.05", f"{_fmt(first)} -> {_fmt(last)}", ok)
         )
+        kl = [s.get("kl_loss") for s in r["steps"]]
+        kl_first, kl_last = mean(kl[:WINDOW]), mean(kl[-WINDOW:])
+        moved = kl_first is not None and kl_last is not None and kl_last > kl_first
+        wanted = "actor/kl_loss last-10 mean > first-10 mean"
+        out.append(Goal(f"{r['name']}'s trainer moves", wanted, f"{_fmt(kl_first, 5)} -> {_fmt(kl_last, 5)}", moved))
     return out
 
 

@@ -14,7 +14,8 @@ version. fully_async logs no sync figures in its training steps (the rollouter's
 plot shows these, by version, and its report carries verl's per-step partial-rollout counts (`fully_async`).
 
 Usage: grpo_report.py RUN_DIR [RUN_DIR ...] --names a,b --command "..." [--command ...] --out-dir docs/measurements
-       [--device-seconds N ...] [--png]
+       [--device-seconds N ...] [--table T.md] [--png P.png] [--require-goals]
+       grpo_report.py REPORT.json [...] --from-reports --out-dir DIR [--table ...] [--png ...]   (reports on file)
 """
 
 from __future__ import annotations

@@ -14,6 +14,11 @@
 # RESUME_FROM=N: resume from the step-N checkpoint of the previous run (copied to a fresh checkpoint folder, so the
 # new run's exports do not mix with the old ones); the weight check then expects `skipped`. Everything under $OUT comes back: setup.log run.log metrics.jsonl probe.json compare.json
 # fresh_server.log summary.json (PACK=1: summary.json and logs.tgz of the rest, for several runs in one call).
+# TASK=learn: the learning runs of issue 34 (recipes/learn_grpo.sh, recipes/learn_fully_async.sh; model and data by
+# recipes/learn/make_learn.py in /tmp/verl-p2p-learn; STEPS default 60, BATCH 16 prompts a step), one command per run:
+#   TASK=learn BACKEND=verl_p2p|mooncake|control [RUN=fully_async] bash scripts/gpu_grpo_run.sh
+# BACKEND=control is the negative control (recipes/learn/control_engine.py, a stand-in that never writes the
+# rollout's weights): its summary requires the rollout to DIFFER from a fresh server on the trainer's export.
 # Exit 0 only when the summary's "ok" is true. Arguments: extra Hydra overrides.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -22,8 +27,25 @@ OUT=${OUT:-/tmp/verl-p2p-grpo-out}
 STACK=${STACK:-/tmp/stack}
 SITE_ROOT=${SITE_ROOT:-/tmp}  # the stack unpacks to $SITE_ROOT/site
 RUN=${RUN:-one_step_off}
-STEPS=${STEPS:-4}
+TASK=${TASK:-tiny}
 SHAPE=${SHAPE:-tiny}
+case "$TASK" in
+    tiny)  # the transfer checks' task (recipes/tiny/): 8 prompts a step
+        STEPS=${STEPS:-4} BATCH=${BATCH:-8} TINY_DIR=${TINY_DIR:-/tmp/verl-p2p-tiny}
+        one_step_off_recipe=recipes/tiny_grpo_2gpu.sh fully_async_recipe=recipes/tiny_fully_async_2gpu.sh
+        make_data=(recipes/tiny/make_tiny.py --shape "$SHAPE" ${LAYERS:+--layers "$LAYERS"})
+        ;;
+    learn)  # issue 34's learning task (recipes/learn/): the tiny shape only
+        STEPS=${STEPS:-60} BATCH=${BATCH:-16} TINY_DIR=${TINY_DIR:-/tmp/verl-p2p-learn}
+        one_step_off_recipe=recipes/learn_grpo.sh fully_async_recipe=recipes/learn_fully_async.sh
+        make_data=(recipes/learn/make_learn.py --seed "${SEED:-1}")
+        ;;
+    *)
+        echo "TASK=$TASK: expected tiny or learn" >&2
+        exit 2
+        ;;
+esac
+export BATCH
 BUDGET_S=${BUDGET_S:-570}  # whole script, inside the device's 600 s
 mkdir -p "$OUT"
 start=$SECONDS
@@ -40,7 +62,7 @@ export PYTHONPATH="$SITE_ROOT/site:$root" CUDA_HOME=${CUDA_HOME:-/usr/local/cuda
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=disabled RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled
 # memory on that machine grows as it is used (MemTotal reads small at first): no Ray OOM killer on stale numbers
 export RAY_memory_monitor_refresh_ms=0
-export TINY_DIR=${TINY_DIR:-/tmp/verl-p2p-tiny} STEPS VERL_FILE_LOGGER_PATH="$OUT/metrics.jsonl"
+export TINY_DIR STEPS VERL_FILE_LOGGER_PATH="$OUT/metrics.jsonl"
 export CKPTS_DIR=${CKPTS_DIR:-$TINY_DIR/ckpts}
 if [[ -z "${ONE_GPU:-}" ]]; then
     ONE_GPU=$([[ "$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')" == 1 ]] && echo 1 || echo 0)
@@ -49,19 +71,19 @@ export ONE_GPU
 
 case "$RUN" in
     one_step_off)
-        recipe=recipes/tiny_grpo_2gpu.sh mode=one_step_off
+        recipe=$one_step_off_recipe mode=one_step_off
         FRESH_STEP=${FRESH_STEP:-$((STEPS - 1))} FINAL_VERSION=${FINAL_VERSION:-$STEPS}
         FRESH_VERSION=$((FRESH_STEP + 1))  # one step off: the sync after step N writes N's weights as version N+1
         # one_step_off prefetches a batch: a run needs data past its last step; DATA_STEPS: the steps of the run
         # that will resume from this one's checkpoint (KEEP_TINY=1 keeps this data)
-        rows=$((8 * ${DATA_STEPS:-$STEPS} + 16))
+        rows=$((BATCH * ${DATA_STEPS:-$STEPS} + 2 * BATCH))
         ;;
     fully_async)
-        recipe=recipes/tiny_fully_async_2gpu.sh mode=fully_async
+        recipe=$fully_async_recipe mode=fully_async
         export VERSIONS=$STEPS
         # the run's last save (forced at the end) is of the parameter version the rollout was synced to last
         FRESH_STEP=${FRESH_STEP:-$STEPS} FINAL_VERSION=${FINAL_VERSION:-$STEPS} FRESH_VERSION=$FRESH_STEP
-        rows=$((8 * ${DATA_STEPS:-$STEPS} + 8))
+        rows=$((BATCH * ${DATA_STEPS:-$STEPS} + BATCH))
         ;;
     *)
         echo "RUN=$RUN: expected one_step_off or fully_async" >&2
@@ -73,8 +95,10 @@ if [[ -n "${RESUME_FROM:-}" ]]; then
     export RESUME=1
     expect_check=skipped
 fi
-export BACKEND=${BACKEND:-p2p}
-if [[ "$BACKEND" != p2p ]]; then  # verl's own engine: no p2p check, and verl (not SGLang) counts the versions
+BACKEND=${BACKEND:-p2p}
+[[ "$BACKEND" == verl_p2p ]] && BACKEND=p2p  # the registered name; the recipes and the summary say p2p
+export BACKEND
+if [[ "$BACKEND" != p2p ]]; then  # verl's own engine or the control: no p2p check, verl counts the versions
     expect_check=none version_from=verl
 fi
 
@@ -115,9 +139,9 @@ EOF
         fi
     fi
     if [[ "${KEEP_TINY:-0}" != 1 || ! -d "$TINY_DIR/model" ]]; then
-        echo "== model ($SHAPE) and data $(date -u +%T)"
+        echo "== model and data: ${make_data[*]} $(date -u +%T)"
         rm -rf "$TINY_DIR"
-        python3 recipes/tiny/make_tiny.py "$TINY_DIR" --train "$rows" --shape "$SHAPE" ${LAYERS:+--layers "$LAYERS"} || exit 4
+        python3 "${make_data[0]}" "$TINY_DIR" --train "$rows" "${make_data[@]:1}" || exit 4
     fi
     if [[ -n "${RESUME_FROM:-}" ]]; then  # the previous run's checkpoint of step RESUME_FROM, alone in a new folder
         src="$CKPTS_DIR/global_step_$RESUME_FROM"

@@ -328,6 +328,19 @@ def version_order(version: str) -> tuple:
     return (1, int(version), "") if version.isdigit() else (2, 0, version)
 
 
+CONTROL = "control"  # recipes/learn/control_engine.py: the negative control's engine never writes the rollout
+
+
+def fresh_verdict(compare: dict, backend: str) -> tuple[str, bool]:
+    """(what the fresh-server comparison must show, whether it does). Every engine that syncs: the rollout equals a
+    fresh server on the trainer's export. The negative control: its rollout kept its first weights, so the two
+    must differ (a compared set of checksums, not all equal); equal would mean the weights moved without a sync."""
+    if backend != CONTROL:
+        return "equal", bool(compare.get("equal"))
+    compared = bool(compare.get("checksums_compared")) and "error" not in compare
+    return "differ", compared and compare.get("checksums_equal") is False
+
+
 def cmd_summary(args) -> int:
     log_text = Path(args.log).read_text(errors="replace") if Path(args.log).exists() else ""
     steps, source = step_metrics(Path(args.metrics), log_text)
@@ -371,6 +384,7 @@ def cmd_summary(args) -> int:
         every = bool(per_step) and all(per_step.values())
         versions_ok = True
     summary["p2p_metrics_every_step"] = every
+    summary["fresh_server_expected"], fresh_ok = fresh_verdict(compare, args.backend)
     final = str(args.final_version) if args.final_version is not None else None
     summary["final_version_probed"] = final is None or (bool(probed) and probed[-1] == final)
     summary["ok"] = bool(
@@ -381,7 +395,7 @@ def cmd_summary(args) -> int:
         and versions_in_order
         and summary["final_version_probed"]
         and summary["first_sync_weight_check"]["ok"]
-        and compare.get("equal")
+        and fresh_ok
     )
     write_json(Path(args.out), summary)
     print(json.dumps({k: summary[k] for k in ("ok", "steps_completed", "p2p_metrics_every_step")}))
@@ -423,7 +437,12 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--out", required=True)
     s.add_argument("--mode", choices=("one_step_off", "fully_async"), default="one_step_off")
     s.add_argument("--expect-check", choices=("passed", "skipped", "none"), default="passed")
-    s.add_argument("--backend", default="p2p", help="p2p, or verl's own engine (mooncake, nixl): no p2p metrics")
+    s.add_argument(
+        "--backend",
+        default="p2p",
+        help="p2p, verl's own engine (mooncake, nixl) or the negative "
+        "control (control): no p2p metrics; the control's rollout must differ from the fresh server",
+    )
     s.add_argument("--final-version", help="the weight version the rollout must end at (one_step_off: STEPS)")
     args = parser.parse_args(argv)
     return {"probe": cmd_probe, "fresh": cmd_fresh, "summary": cmd_summary}[args.cmd](args)

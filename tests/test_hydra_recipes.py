@@ -27,7 +27,11 @@ KWARGS = "actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs"
 RECIPES = sorted((ROOT / "recipes").glob("*.sh"))
 RECIPES = [r for r in RECIPES if r.name != "common.sh"]
 TINY = ROOT / "recipes" / "tiny_grpo_2gpu.sh"  # checks its own weights by default; see test_tiny_recipe.py
-TINY_RECIPES = (TINY, ROOT / "recipes" / "tiny_fully_async_2gpu.sh")
+# the tiny runs and the learning runs built on them check their own weights by default
+TINY_RECIPES = (
+    TINY,
+    *(ROOT / "recipes" / name for name in ("tiny_fully_async_2gpu.sh", "learn_grpo.sh", "learn_fully_async.sh")),
+)
 
 
 def check_p2p_config(cfg, module: str) -> RolloutConfig:

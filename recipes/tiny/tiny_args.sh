@@ -8,7 +8,9 @@
 #   ONE_GPU=1                both pools on ONE GPU (a stand-in for the second GPU, named as one): Ray is told the
 #                            node has 2 GPUs and every process it starts is mapped onto the one physical device
 #                            (tiny/tiny_run_setup.py); without it the run needs 2 GPUs, one per pool
-#   BACKEND=p2p|mooncake|nixl weight sync: p2p (this package, default) or verl's own engine, same run otherwise
+#   BACKEND=p2p|mooncake|nixl|control weight sync: p2p (this package, default; also `verl_p2p`), verl's own engine,
+#                            or the negative control (recipes/learn/control_engine.py, a stand-in that never
+#                            updates the rollout's weights), same run otherwise
 #   STEPS, SAVE_FREQ, RESUME=1  training steps; save every SAVE_FREQ steps (default STEPS-1); resume from the latest
 #                            checkpoint in CKPTS_DIR (the weight check then runs in its resumed mode: skipped)
 #   SAVE_CONTENTS            what a save holds (default the HF model only)
@@ -119,13 +121,14 @@ fi
 
 # The weight-sync backend. p2p: this package's overlay and toggles (common.sh). verl's own engines: the same run
 # with verl's stock manager; Mooncake is told to use TCP where the host has no RDMA NIC (verl's engine asks for rdma).
+[[ "$BACKEND" == verl_p2p ]] && BACKEND=p2p  # the backend's registered name, as the learning runs report it
 case "$BACKEND" in
     p2p)
         p2p_overrides
         TINY_SYNC_ARGS=("hydra.searchpath=[pkg://verl.trainer.config,file://$P2P_ROOT/conf]" +p2p=default
             "${P2P_OVERRIDES[@]}")
         ;;
-    mooncake | nixl)
+    mooncake | nixl | control)
         # verl's own search path (file://verl/trainer/config) resolves only from a verl checkout
         # what p2p's overlay sets for the run: SGLang (verl's config leaves the name mandatory), the rollout
         # loading the checkpoint's real weights, no resume unless asked (a stale checkpoint folder is not picked up),
@@ -136,13 +139,17 @@ case "$BACKEND" in
             actor_rollout_ref.rollout.name=sglang actor_rollout_ref.rollout.load_format=auto
             +actor_rollout_ref.rollout.engine_kwargs.sglang.enable_memory_saver=false)
         [[ "${RESUME:-0}" == 1 ]] || TINY_SYNC_ARGS+=(trainer.resume_mode=disable)
+        if [[ "$BACKEND" == control ]]; then  # the stand-in engine: verl imports it in every process, registering it
+            export PYTHONPATH="$P2P_ROOT/recipes/learn:$PYTHONPATH"
+            TINY_SYNC_ARGS+=(actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=control_engine)
+        fi
         if [[ "$BACKEND" == mooncake && "${P2P_PROTOCOL:-tcp}" == tcp ]]; then
             export MC_FORCE_TCP=1
             TINY_SYNC_ARGS+=("+$RAY_ENV.MC_FORCE_TCP='1'")
         fi
         ;;
     *)
-        echo "BACKEND=$BACKEND: expected p2p, mooncake or nixl" >&2
+        echo "BACKEND=$BACKEND: expected p2p (or verl_p2p), mooncake, nixl or control" >&2
         exit 2
         ;;
 esac

@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import operator
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -37,8 +37,6 @@ from verl_p2p.replica.stream import CompletenessStager, ReplicaLoadError, _typed
 logger = logging.getLogger(__name__)
 
 EXECUTORS = ("compiled", "sglang")
-
-_LOGGED_FALLBACKS: set[tuple[Hashable, str]] = set()  # (replica key, param): each fallback is logged once
 
 
 class CompiledPlanMismatchError(P2PError):
@@ -61,6 +59,8 @@ class CompiledReplica:
             if reason is not None:
                 self.fallbacks[name] = reason
         self._verify_pending: set[str] = set()
+        # fallbacks already logged: the session keeps one executor per replica key, so each is logged once
+        self._logged_fallbacks: set[str] = set()
         self._verify_full: tuple[str, torch.Tensor] | None = None  # reference bytes of the param being chunked
         self._log_fallbacks()
         if verify_first_push:
@@ -192,10 +192,10 @@ class CompiledReplica:
         return prog
 
     def _log_fallbacks(self) -> None:
-        new = {n: r for n, r in self.fallbacks.items() if (self.key, n) not in _LOGGED_FALLBACKS}
+        new = {n: r for n, r in self.fallbacks.items() if n not in self._logged_fallbacks}
         if not new:
             return
-        _LOGGED_FALLBACKS.update((self.key, n) for n in new)
+        self._logged_fallbacks.update(new)
         logger.warning(
             "compiled executor: %d parameter(s) of rollout rank %s use SGLang's loader instead: %s",
             len(new),

@@ -30,12 +30,12 @@ from verl_p2p.planning.targets import TargetRank
 
 # Conversion throughput per source assumed when none is given: the compiled executor into GPU transfer slots on
 # an H200 (what a source over RDMA uses), measured by `verl-p2p bench --device cuda --model qwen3-30b-a3b --layers 4`
-# (docs/measurements/bench_convert_h200_qwen3_30b_a3b_tp2ep2.json; into pinned host slots: 52.8 GB/s).
+# (docs/measurements/bench_convert_h200_qwen3_30b_a3b_tp2ep2.json, which also has the pinned-slot figure).
 DEFAULT_CONVERT_GBPS = 1004.6
 _CONVERT_JSON = "docs/measurements/bench_convert_h200_qwen3_30b_a3b_tp2ep2.json"
 DEFAULT_CONVERT_SOURCE = f"compiled executor into GPU slots on an H200, 1004.6 GB/s ({_CONVERT_JSON})"
-# FP8 targets: the same executor with the quantize step (the one-launch Triton quantizer), beside bf16 943 GB/s in
-# its run (a machine start about as fast as the bf16 figure's)
+# FP8 targets: the same executor with the quantize step (the one-launch Triton quantizer); its JSON has the bf16
+# figure of the same run beside it
 DEFAULT_FP8_CONVERT_GBPS = 215.1
 DEFAULT_FP8_CONVERT_SOURCE = (
     "compiled executor with the quantize step into GPU slots on an H200, 215.1 GB/s of FP8 bytes "

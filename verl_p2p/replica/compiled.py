@@ -283,8 +283,8 @@ def stacked_runs(b: CopyBatch, srcs: Sequence[torch.Tensor]) -> list[tuple[int, 
     """Runs of at least two consecutive sources that lie at one constant step in one storage, each as one
     [length, *shape] view: (first index, view). A batch of the FP8 quantizer's output is such a run (or a few,
     where the quantizer's batches end), and so are experts exported from one grouped tensor; each run is one copy
-    instead of a view per source and a multi-tensor copy (on the H200 their views cost ~6 ms of host time in a
-    31 ms FP8 conversion: docs/measurements/bench_convert_fp8_h200_profile_s9.json).
+    instead of a view per source and a multi-tensor copy (those views were a large share of an FP8 conversion's
+    host time: docs/measurements/bench_convert_fp8_h200_profile_s9.json).
 
     Every source's address and dtype is checked (and, for whole sources, its shape and contiguity), the run's
     first and last sources must share a storage, and the view is bounds-checked by torch against it: sources that

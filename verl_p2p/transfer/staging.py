@@ -23,8 +23,8 @@ _CUDA_MOONCAKE = (
 )
 
 
-# Measured on an H200 (Mooncake CUDA 13 build 0.3.14, docs/measurements/mooncake_tcp_h200.json): tcp writes from
-# GPU memory into host memory arrived corrupted, and into GPU memory ran at 1.8 GB/s vs 3.2 GB/s from pinned slots.
+# Seen on an H200 (Mooncake's CUDA 13 build, docs/measurements/mooncake_tcp_h200.json): tcp writes from GPU memory
+# into host memory arrived corrupted, and into GPU memory ran slower than from pinned slots.
 GPU_OVER_TCP = (
     "Mooncake's tcp transport stages GPU memory through the host itself; GPU -> host-memory writes arrived "
     "corrupted on an H200 and GPU -> GPU ones were slower than from pinned slots. Fix: staging=pinned (or auto) "
@@ -60,7 +60,7 @@ def choose_staging(
     register GPU memory (default: the installed Mooncake, `mooncake_gpu_memory_support`); it is asked only when
     a GPU slot is possible. `auto` takes GPU
     slots only over RDMA: Mooncake's tcp transport stages GPU memory through the host itself, so a GPU slot is
-    slower there (measured on an H200, 1 GiB into GPU memory: 1.8 GB/s from GPU vs 3.2 GB/s from pinned memory).
+    slower there (docs/measurements/mooncake_tcp_h200.json).
     """
     if mode not in STAGING_MODES:
         raise P2PConfigError(f"engine_kwargs.p2p.staging={mode!r}: choose one of {list(STAGING_MODES)}")

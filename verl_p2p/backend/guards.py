@@ -63,6 +63,34 @@ def trainer_mode_problems(config: Mapping[str, Any], entry: str) -> list[str]:
     return []
 
 
+LORA_FIX = (
+    "Fix: train without LoRA here (merge the adapter into the base checkpoint and set "
+    "actor_rollout_ref.model.lora_rank=0 and actor_rollout_ref.model.lora.rank=0), or sync this run with verl's own "
+    "checkpoint engine (drop checkpoint_engine.backend=verl_p2p)"
+)
+
+
+def lora_problem(model: Mapping[str, Any]) -> str | None:
+    """LoRA on the trainer (`lora_rank`, verl's FSDP/HF field, or `lora.rank`, its Megatron field): p2p exports the
+    base weights through Megatron-Bridge and has never been shown to sync adapters or merged weights exactly (verl
+    users report adapters silently not synced to disaggregated rollouts), so it refuses rather than guess."""
+    ranks = {
+        "actor_rollout_ref.model.lora_rank": config_field(model, "lora_rank"),
+        "actor_rollout_ref.model.lora.rank": config_field(config_field(model, "lora") or {}, "rank"),
+    }
+    for name, rank in ranks.items():
+        try:
+            on = int(rank or 0) > 0
+        except (TypeError, ValueError):
+            return f"{name}={rank!r} is not an integer. Fix: set it to 0 (p2p does not sync LoRA)"
+        if on:
+            return (
+                f"{name}={rank}: LoRA is on, and p2p syncs only the base weights Megatron-Bridge exports; the "
+                f"rollout would serve without the adapter (or with weights never checked to match). {LORA_FIX}"
+            )
+    return None
+
+
 GUARD_SIGN = "verl_p2p's Hydra guard (conf/p2p/default.yaml) is installed"
 
 
@@ -101,7 +129,7 @@ def config_problems(config: Mapping[str, Any], entry: str | None = None, guard: 
         problems.append(str(exc))
     problems += server_arg_problems(dict(config_field(config_field(rollout, "engine_kwargs") or {}, "sglang") or {}))
     model = config_field(config_field(config, "actor_rollout_ref"), "model") or {}
-    for problem in (rollout_dp_problem(rollout), mtp_problem(rollout) or mtp_problem(model)):
+    for problem in (rollout_dp_problem(rollout), mtp_problem(rollout) or mtp_problem(model), lora_problem(model)):
         if problem is not None:
             problems.append(problem)
     return problems

@@ -24,6 +24,7 @@ import contextlib
 import copy
 import dataclasses
 import dis
+import functools
 import hashlib
 import importlib
 import importlib.util
@@ -40,6 +41,7 @@ from typing import Any
 
 import torch
 
+from verl_p2p.environment import environment_set  # noqa: F401 - also imported from here (tests/support)
 from verl_p2p.errors import UnsupportedLayoutError
 from verl_p2p.planning.layout import RankLayout, check_reproducible, layout_from_server_args
 
@@ -261,18 +263,15 @@ def hf_config_dict(hf_config: Any) -> dict:
     return to_dict()
 
 
-_private_base: str | None = None
-
-
+@functools.cache
 def _private_config_base() -> str:
     """This user's own directory for config copies: `<tmp>/verl_p2p_cfg-<uid>`, mode 0700, owned by this user.
 
     A shared temporary directory lets anyone create that name first (or a symlink of it); such a directory
     (not ours, not private, not a directory) is never used: a fresh `mkdtemp` directory serves this process.
+    Chosen once per process (`functools.cache`): every config copy of a process goes to one directory, and a
+    fallback `mkdtemp` directory is made at most once.
     """
-    global _private_base
-    if _private_base is not None:
-        return _private_base
     uid = os.getuid()
     base = os.path.join(tempfile.gettempdir(), f"verl_p2p_cfg-{uid}")
     try:
@@ -292,7 +291,6 @@ def _private_config_base() -> str:
             base,
         )
         base = fresh
-    _private_base = base
     return base
 
 
@@ -329,21 +327,6 @@ def rollout_environment(server_args: Mapping[str, Any]) -> dict[str, bool]:
     from verl_p2p.planning.shared_experts import SHARED_TP1
 
     return {SHARED_TP1: True} if server_args.get(SHARED_TP1) is True else {}
-
-
-@contextlib.contextmanager
-def environment_set(settings: Mapping[str, str]):
-    """The process environment with `settings` while inside, each variable restored (or removed) on exit."""
-    saved = {k: os.environ.get(k) for k in settings}
-    os.environ.update(settings)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _rollout_environment_set(settings: Mapping[str, bool]):

@@ -113,6 +113,25 @@ def test_server_process_accepts_sglang_defaults():
     launch.check_server_process({}, None, "rollout server on h", environ={}, platform=ACCEPTED)
 
 
+def test_server_process_refuses_a_model_that_caches_hpc_gemm_splits_when_hpc_ops_is_installed():
+    longcat = {"architectures": ["LongcatFlashForCausalLM"]}
+    with pytest.raises(P2PConfigError, match="uninstall HPC-Ops"):
+        launch.check_server_process({}, longcat, "rollout server on h", environ={}, platform=ACCEPTED, hpc=True)
+    launch.check_server_process({}, longcat, "rollout server on h", environ={}, platform=ACCEPTED, hpc=False)
+    qwen3 = {"architectures": ["Qwen3ForCausalLM"]}
+    launch.check_server_process({}, qwen3, "rollout server on h", environ={}, platform=ACCEPTED, hpc=True)
+
+
+@pytest.mark.parametrize("version", ["0.5.21", "0.5.23"])
+def test_the_models_that_turn_hpc_gemm_on_are_the_ones_listed(version):
+    root = _release_sources(version)
+    marking = {
+        p.stem for p in (root / "srt" / "models").glob("*.py") if "mark_hpc_bf16xfp32_gemm_enabled()" in p.read_text()
+    }
+    assert marking == {"longcat_flash"}
+    assert "class LongcatFlashForCausalLM(" in (root / "srt" / "models" / "longcat_flash.py").read_text()
+
+
 # ---- FP8 platform, decided where the rollout runs (finding 6) ---------------------------------------------------
 
 FP8_HF = {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}

@@ -13,7 +13,7 @@ A setting the rollout's SGLang does not know is simply absent (0.5.12 has none o
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,6 +120,27 @@ def env_cache_problems(environ: Mapping[str, str] | None = None) -> list[str]:
     SGLang's scheduler processes inherit that environment). SGLang's defaults for these variables are all off."""
     environ = os.environ if environ is None else environ
     return [p for c in ENV_CACHES if (p := c.problem(environ.get(c.setting))) is not None]
+
+
+# Model classes that turn the HPC-Ops bf16xfp32 GEMM cache on by themselves, whatever the environment says, when
+# the `hpc` package is importable on a Hopper GPU (sglang/srt/models/longcat_flash.py:222,
+# `mark_hpc_bf16xfp32_gemm_enabled`).
+HPC_GEMM_MODELS = ("LongcatFlashForCausalLM",)
+HPC_PACKAGE = "hpc"
+
+
+def hpc_gemm_problem(architectures: Sequence[str], hpc_installed: bool) -> str | None:
+    """Where the server runs: a model that caches HPC-Ops weight splits on its own, with HPC-Ops installed."""
+    hit = sorted(set(architectures) & set(HPC_GEMM_MODELS))
+    if not hit or not hpc_installed:
+        return None
+    return (
+        f"{hit[0]} with HPC-Ops (the `{HPC_PACKAGE}` package) installed: SGLang routes its router GEMM to the "
+        "HPC-Ops bf16xfp32 kernel, which caches the fp32 weight split that p2p's in-place writes never refresh, so "
+        "the rollout would keep serving the old router weights (SGLang refuses its own update APIs here, "
+        "sglang/srt/model_executor/model_runner_components/weight_updater.py:76-84). Fix: uninstall HPC-Ops from "
+        "the rollout's environment"
+    )
 
 
 # SGLang's other derived-weight caches (sources that set `_derived_weight_cache_error` or that

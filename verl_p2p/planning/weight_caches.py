@@ -36,14 +36,14 @@ class DerivedWeightCache:
     cache: str  # what SGLang keeps, in its own words
     source: str  # where SGLang 0.5.23 sets the cache up
     fix: str
+    harm: str = "which p2p's in-place writes never refresh, so the rollout would keep serving the old weights"
 
     def problem(self, value: Any) -> str | None:
         if value is None or not self.active(value):
             return None
         return (
-            f"{self.setting}={value!r}: {self.cache}, which p2p's in-place writes never refresh, so the rollout "
-            f"would keep serving the old weights (SGLang refuses its own update APIs here, {self.source}). "
-            f"Fix: {self.fix}"
+            f"{self.setting}={value!r}: {self.cache}, {self.harm} (SGLang refuses its own update APIs here, "
+            f"{self.source}). Fix: {self.fix}"
         )
 
 
@@ -79,6 +79,7 @@ SERVER_ARG_CACHES: tuple[DerivedWeightCache, ...] = (
         "the weights are the weight-cache daemon's master copy, shared over CUDA IPC with every co-attached engine",
         "sglang/srt/model_executor/model_runner_components/weight_updater.py:159",
         "launch the rollout with --weight-cache-mode off",
+        "so p2p's in-place writes would change that master copy under the daemon and every other attached engine",
     ),
     DerivedWeightCache(
         "enable_dsa_fused_indexer",

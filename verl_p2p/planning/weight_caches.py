@@ -12,7 +12,6 @@ A setting the rollout's SGLang does not know is simply absent (0.5.12 has none o
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -116,10 +115,9 @@ def server_arg_cache_problems(server_args: Mapping[str, Any]) -> list[str]:
     return [p for c in SERVER_ARG_CACHES if (p := c.problem(server_args.get(c.setting))) is not None]
 
 
-def env_cache_problems(environ: Mapping[str, str] | None = None) -> list[str]:
+def env_cache_problems(environ: Mapping[str, str]) -> list[str]:
     """Each environment variable of the server process that turns a cache on (call it where the server runs:
     SGLang's scheduler processes inherit that environment). SGLang's defaults for these variables are all off."""
-    environ = os.environ if environ is None else environ
     return [p for c in ENV_CACHES if (p := c.problem(environ.get(c.setting))) is not None]
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -211,7 +212,7 @@ def check_server_process(
     `fp8_platform` and `hpc` (HPC-Ops installed) default to this process's own.
     """
     check_platform(platform or local_platform(sglang.get("device")), where)
-    problems = env_cache_problems(environ)
+    problems = env_cache_problems(os.environ if environ is None else environ)
     architectures = _hf_field(hf_config, "architectures") or ()
     hpc_problem = hpc_gemm_problem(architectures, hpc_installed() if hpc is None else hpc)
     if hpc_problem is not None:

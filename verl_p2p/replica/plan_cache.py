@@ -40,7 +40,15 @@ from verl_p2p.replica.plan import HFSpecs, ParamPlan, RecordedWrite, SourceView,
 
 logger = logging.getLogger(__name__)
 
-_CAPTURE_CODE = ("plan.py", "plan_cache.py", "rank_context.py", "stream.py", "fp8.py")  # fp8: the rank's quant config
+_CAPTURE_CODE = (
+    "plan.py",
+    "plan_cache.py",
+    "rank_context.py",
+    "rank_adapters.py",
+    "rank_groups.py",
+    "stream.py",
+    "fp8.py",  # the rank's quant config
+)
 # environment prefixes SGLang reads (at import and while building a model): e.g. SGLANG_USE_CPU_ENGINE pads the
 # vocabulary differently, SGLANG_USE_AITER changes MoE layouts on ROCm
 _SGLANG_ENV_PREFIXES = ("SGLANG_", "SGL_")

@@ -63,6 +63,13 @@ def test_hydra_guard_refuses_a_derived_weight_cache_before_launch(arg, value, fi
     assert "every other attached engine" in text or arg != "weight_cache_mode"
 
 
+def test_hydra_guard_refuses_a_cache_turned_on_through_rays_runtime_env():
+    env = "ray_kwargs.ray_init.runtime_env.env_vars.SGLANG_OPT_BF16_FP32_GEMM_ALGO"
+    (problem,) = config_problems(main_ppo(f"+{env}=hpc"), MAIN_PPO)
+    assert problem.startswith(f"{env}='hpc': ") and "set it to cublas" in problem
+    assert config_problems(main_ppo(f"+{env}=cublas"), MAIN_PPO) == []
+
+
 def test_hydra_guard_accepts_the_caches_off():
     overrides = [f"+{SGLANG}{arg}={'null' if v is None else _override(v)}" for arg, v in INACTIVE_ARGS.items()]
     assert config_problems(main_ppo(*overrides), MAIN_PPO) == []

@@ -296,7 +296,8 @@ def test_fused_gpu_kernel_gives_the_reference_bytes_itself():
     with pytest.raises(QuantizationError, match="NaN/inf"):
         quantize_many([t.cuda(), torch.randn(130, 130).cuda()], names=["w.nan", "w.ok"])
     quantize_many([torch.randn(256, 256).cuda() for _ in range(3)])
-    assert block_fp8._fused_checked["state"] is True  # its first batch matched the reference: it stays on
+    assert block_fp8.DEFAULT_FUSED.enabled  # each specialization's first batch matched the reference: it stays on
+    assert (torch.Size([256, 256]), torch.float32) in {key[:2] for key in block_fp8.DEFAULT_FUSED.checked}
     nonfinite: list = []  # the deferred path through the kernel: no wait per call, the culprit named later
     quantize_many([torch.randn(130, 130).cuda(), t.cuda()], names=["w.ok", "w.nan"], nonfinite=nonfinite)
     with pytest.raises(QuantizationError, match=r"^w\.nan: 2 NaN/inf"):

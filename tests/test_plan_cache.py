@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import stat
 import subprocess
 import sys
 import textwrap
@@ -154,6 +156,43 @@ def test_plan_cache_dir_option(monkeypatch, tmp_path):
         P2PConfig.from_mapping({"plan_cache_dir": 5})
 
 
+def test_a_missing_cache_directory_is_created_private(tmp_path):
+    cache = PlanCache(tmp_path / "shared" / "plans")
+    st = cache.directory.stat()
+    assert stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.getuid()
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o775, 0o757])
+def test_a_cache_directory_others_can_write_is_refused_naming_the_option_and_fix(tmp_path, mode):
+    """A planted entry there could list e.g. lm_head.weight as `local` (never written): the directory is refused."""
+    shared = tmp_path / "plans"
+    shared.mkdir()
+    shared.chmod(mode)
+    with pytest.raises(P2PConfigError) as info:
+        PlanCache.from_option(str(shared))
+    text = str(info.value)
+    assert f"plan_cache_dir {shared} is group- or world-writable (mode {mode:o})" in text
+    assert f"chmod 700 {shared}" in text and "plan_cache_dir" in text and "'' (no cache)" in text
+
+
+def test_a_cache_path_that_is_a_file_is_refused(tmp_path):
+    (tmp_path / "plans").write_text("")
+    with pytest.raises(P2PConfigError, match="is not a directory"):
+        PlanCache(tmp_path / "plans")
+
+
+def test_an_entry_others_can_write_is_not_trusted(tiny, tmp_path, caplog):
+    cfg, specs = tiny
+    cache = PlanCache(tmp_path)
+    first = _plan(cfg, specs, cache)
+    (entry,) = tmp_path.glob("plan-*.json")
+    entry.chmod(0o666)
+    with caplog.at_level(logging.WARNING, logger="verl_p2p.replica.plan_cache"):
+        again = _plan(cfg, specs, cache)
+    assert not again.from_cache and again.plan == first.plan
+    assert any("world-writable" in r.getMessage() and entry.name in r.getMessage() for r in caplog.records)
+
+
 _OTHER_PROCESS = textwrap.dedent(
     """
     import json, sys
@@ -288,11 +327,11 @@ def test_the_install_digest_tells_a_patched_build_from_the_stock_one(monkeypatch
     (package / "__init__.py").write_text("__version__ = '0.5.12'\n")
     (package / "srt" / "loader.py").write_text("def load(w): return w\n")
     monkeypatch.setitem(sys.modules, "sglang", SimpleNamespace(__file__=str(package / "__init__.py")))
-    monkeypatch.setattr(plan_cache, "_install_digests", {})
+    plan_cache._tree_digest.cache_clear()
     stock = plan_cache.sglang_install_digest()
     assert plan_cache.sglang_install_digest() == stock
     (package / "srt" / "loader.py").write_text("def load(w): return w.t()\n")
-    monkeypatch.setattr(plan_cache, "_install_digests", {})
+    plan_cache._tree_digest.cache_clear()
     assert plan_cache.sglang_install_digest() != stock
 
 

@@ -24,8 +24,9 @@ PLANTED = dict(CONFIG, auto_map={"AutoConfig": "evil.Config"}, hidden_size=65)
 def shared_tmp(monkeypatch, tmp_path):
     """A fresh shared temporary directory for this test (and no private directory chosen yet)."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    monkeypatch.setattr(rank_context, "_private_base", None, raising=False)
-    return tmp_path
+    rank_context._private_config_base.cache_clear()
+    yield tmp_path
+    rank_context._private_config_base.cache_clear()
 
 
 def _read(path: str) -> dict:

@@ -15,6 +15,7 @@ from typing import Any
 from verl_p2p.backend.identity import ALIAS, BACKEND, BACKEND_NAMES, backend_problem, our_config_signs, uses_verl_p2p
 from verl_p2p.config import P2PConfig, config_field, plain
 from verl_p2p.errors import P2PConfigError
+from verl_p2p.planning.weight_caches import env_cache_problems
 from verl_p2p.rollout.launch import mtp_problem, rollout_dp_problem, server_arg_problems
 
 logger = logging.getLogger(__name__)
@@ -63,6 +64,46 @@ def trainer_mode_problems(config: Mapping[str, Any], entry: str) -> list[str]:
     return []
 
 
+LORA_FIX = (
+    "Fix: train without LoRA here (merge the adapter into the base checkpoint and set "
+    "actor_rollout_ref.model.lora_rank=0 and actor_rollout_ref.model.lora.rank=0), or sync this run with verl's own "
+    "checkpoint engine (drop checkpoint_engine.backend=verl_p2p)"
+)
+
+
+def lora_problem(model: Mapping[str, Any]) -> str | None:
+    """LoRA on the trainer (`lora_rank`, verl's FSDP/HF field, or `lora.rank`, its Megatron field): p2p exports the
+    base weights through Megatron-Bridge and has never been shown to sync adapters or merged weights exactly (verl
+    users report adapters silently not synced to disaggregated rollouts), so it refuses rather than guess."""
+    ranks = {
+        "actor_rollout_ref.model.lora_rank": config_field(model, "lora_rank"),
+        "actor_rollout_ref.model.lora.rank": config_field(config_field(model, "lora") or {}, "rank"),
+    }
+    for name, rank in ranks.items():
+        try:
+            on = int(rank or 0) > 0
+        except (TypeError, ValueError):
+            return f"{name}={rank!r} is not an integer. Fix: set it to 0 (p2p does not sync LoRA)"
+        if on:
+            return (
+                f"{name}={rank}: LoRA is on, and p2p syncs only the base weights Megatron-Bridge exports; the "
+                f"rollout would serve without the adapter (or with weights never checked to match). {LORA_FIX}"
+            )
+    return None
+
+
+RUNTIME_ENV = "ray_kwargs.ray_init.runtime_env.env_vars"
+
+
+def runtime_env_problems(config: Mapping[str, Any]) -> list[str]:
+    """Environment variables the config hands every Ray worker (the rollout servers' too) that turn on an SGLang
+    derived-weight cache; the server process checks its own environment again at launch."""
+    ray_init = config_field(config_field(config, "ray_kwargs") or {}, "ray_init") or {}
+    env_vars = config_field(config_field(ray_init, "runtime_env") or {}, "env_vars") or {}
+    environ = {str(k): str(v) for k, v in dict(env_vars).items() if v is not None}
+    return [f"{RUNTIME_ENV}.{problem}" for problem in env_cache_problems(environ)]
+
+
 GUARD_SIGN = "verl_p2p's Hydra guard (conf/p2p/default.yaml) is installed"
 
 
@@ -100,8 +141,9 @@ def config_problems(config: Mapping[str, Any], entry: str | None = None, guard: 
     except P2PConfigError as exc:
         problems.append(str(exc))
     problems += server_arg_problems(dict(config_field(config_field(rollout, "engine_kwargs") or {}, "sglang") or {}))
+    problems += runtime_env_problems(config)
     model = config_field(config_field(config, "actor_rollout_ref"), "model") or {}
-    for problem in (rollout_dp_problem(rollout), mtp_problem(rollout) or mtp_problem(model)):
+    for problem in (rollout_dp_problem(rollout), mtp_problem(rollout) or mtp_problem(model), lora_problem(model)):
         if problem is not None:
             problems.append(problem)
     return problems

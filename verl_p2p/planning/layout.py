@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from verl_p2p.errors import MalformedAnswerError, UnsupportedLayoutError
+from verl_p2p.planning.weight_caches import server_arg_cache_problems
 
 # Layout fields of /server_info: (least value, default). An engine spanning more ranks than MAX_RANKS is not a
 # real answer (and would make the trainer plan that many targets).
@@ -167,7 +168,8 @@ def speculative_problem(server_args: Mapping[str, Any]) -> str | None:
 
 
 def check_reproducible(server_args: Mapping[str, Any]) -> None:
-    """Reject rollout settings whose bytes the replica cannot reproduce, naming the setting and the fix."""
+    """Reject rollout settings whose bytes the replica cannot reproduce, or whose served weights p2p's writes would
+    not reach (SGLang's derived-weight caches, `planning.weight_caches`), naming the setting and the fix."""
     check_server_info(server_args)
     problems = []
     dp = dp_problem(
@@ -178,6 +180,7 @@ def check_reproducible(server_args: Mapping[str, Any]) -> None:
     speculative = speculative_problem(server_args)
     if speculative is not None:
         problems.append(speculative)
+    problems += server_arg_cache_problems(server_args)
     if _int(server_args, "pp_size", 1) != 1:
         problems.append("pp_size > 1 (rollout pipeline parallelism): use tp/ep instead")
     if _int(server_args, "ep_num_redundant_experts", 0) != 0:

@@ -16,6 +16,7 @@ import logging
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -91,38 +92,70 @@ def quantize_block_fp8(
     return q.contiguous(), scale
 
 
-_fused_checked = {"state": None}  # None: not yet compared with the reference in this process; True/False after
+class FusedKernel(Protocol):
+    """A one-launch quantizer of same-shaped tensors (`block_fp8_triton` is the real one)."""
+
+    def available(self, x: torch.Tensor, block: tuple[int, int]) -> bool: ...
+
+    def quantize_list(
+        self, tensors: Sequence[torch.Tensor], block: tuple[int, int], floor: float, fp8_max: float
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
-def _fused(tensors, chunk, block, names, nonfinite=None) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-    """The chunk through the one-launch GPU kernel (`block_fp8_triton`), or None where it does not apply. Its first
-    batch in a process is compared byte for byte with the reference; a difference turns it off (logged)."""
-    from verl_p2p.quant import block_fp8_triton
+class FusedQuantizer:
+    """A fused kernel that checks itself: the first batch of each specialization it runs ((N, K), input dtype,
+    device, block: what Triton compiles separately) is compared byte for byte with the reference
+    (`quantize_block_fp8`). A difference anywhere turns the kernel off for good (logged): one wrong specialization
+    makes every other suspect, and the reference is always right. `kernel` None: `block_fp8_triton`."""
 
-    first = tensors[chunk[0]]
-    if _fused_checked["state"] is False or not block_fp8_triton.available(first, block):
-        return None
-    q, s, bad = block_fp8_triton.quantize_list([tensors[i] for i in chunk], block, AMAX_FLOOR, FP8_E4M3_MAX)
-    if nonfinite is not None:  # refused later, without a wait here
-        nonfinite.append(([names[i] for i in chunk], bad))
-    elif bool(bad.any()):  # the reference names the tensor and refuses it
-        for i in chunk:
-            quantize_block_fp8(tensors[i], block, names[i])
-    pairs = list(zip(q.unbind(0), s.unbind(0), strict=True))  # one call for all the views, not two per tensor
-    if _fused_checked["state"] is None:
-        same = True
-        for i, (qj, sj) in zip(chunk, pairs, strict=True):
-            rq, rs = quantize_block_fp8(tensors[i], block, names[i])
-            same = same and torch.equal(qj.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(sj, rs)
-        _fused_checked["state"] = same
-        if not same:
-            logger.warning(
-                "the fused GPU FP8 quantizer's bytes differ from the reference on %s: using the reference "
-                "(slower) for the rest of this process",
-                first.device,
-            )
+    def __init__(self, kernel: FusedKernel | None = None):
+        self._kernel = kernel
+        self.checked: set[tuple] = set()  # specializations whose first batch matched the reference
+        self.enabled = True
+
+    @property
+    def kernel(self) -> FusedKernel:
+        if self._kernel is None:
+            from verl_p2p.quant import block_fp8_triton
+
+            self._kernel = block_fp8_triton
+        return self._kernel
+
+    def __call__(self, tensors, chunk, block, names, nonfinite=None) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """The chunk through the kernel, or None where it does not apply (then the caller runs the reference)."""
+        first = tensors[chunk[0]]
+        if not self.enabled or not self.kernel.available(first, block):
             return None
-    return pairs
+        q, s, bad = self.kernel.quantize_list([tensors[i] for i in chunk], block, AMAX_FLOOR, FP8_E4M3_MAX)
+        if nonfinite is not None:  # refused later, without a wait here
+            nonfinite.append(([names[i] for i in chunk], bad))
+        elif bool(bad.any()):  # the reference names the tensor and refuses it
+            for i in chunk:
+                quantize_block_fp8(tensors[i], block, names[i])
+        pairs = list(zip(q.unbind(0), s.unbind(0), strict=True))  # one call for all the views, not two per tensor
+        specialization = (tuple(first.shape), first.dtype, first.device, tuple(block))
+        if specialization not in self.checked:
+            for i, (qj, sj) in zip(chunk, pairs, strict=True):
+                rq, rs = quantize_block_fp8(tensors[i], block, names[i])
+                if not (torch.equal(qj.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(sj, rs)):
+                    self.enabled = False
+                    logger.warning(
+                        "the fused GPU FP8 quantizer's bytes differ from the reference for %s %s on %s (%s): using "
+                        "the reference (slower) for the rest of this process",
+                        "x".join(map(str, first.shape)),
+                        first.dtype,
+                        first.device,
+                        names[i],
+                    )
+                    return None
+            self.checked.add(specialization)
+        return pairs
+
+
+# The quantizer `quantize_many` uses unless handed another. Process-wide on purpose: whether the kernel gives the
+# reference's bytes is a fact of this process's GPU and Triton build, the same for every caller, and each
+# specialization is compiled once per process, so one owner per process checks each once.
+DEFAULT_FUSED = FusedQuantizer()
 
 
 def quantize_many(
@@ -131,13 +164,16 @@ def quantize_many(
     names: Sequence[str] | None = None,
     max_group_bytes: int = 1 << 30,
     nonfinite: list | None = None,
+    fused: FusedQuantizer | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """`quantize_block_fp8` of every tensor, tensors of one shape, dtype and device stacked into one call
     (MoE experts: one call per projection kind instead of one per expert). Same bytes as one call each.
 
     NaN/inf inputs are refused here, which waits for the device. With `nonfinite` (a list) nothing waits: each
     call appends its tensors' names and their NaN/inf counts (a device tensor), and `raise_if_nonfinite` refuses
-    them later, once, with the same message (the FP8 stream of a push: its work stays queued on the GPU)."""
+    them later, once, with the same message (the FP8 stream of a push: its work stays queued on the GPU).
+    `fused`: the self-checking fused kernel to try first (default `DEFAULT_FUSED`)."""
+    fused_kernel = DEFAULT_FUSED if fused is None else fused
     names = list(names) if names is not None else [f"tensor {i}" for i in range(len(tensors))]
     out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(tensors)
     groups: dict[tuple, list[int]] = {}
@@ -147,10 +183,10 @@ def quantize_many(
         per = max(1, max_group_bytes // max(1, tensors[members[0]].numel() * 4))
         for start in range(0, len(members), per):
             chunk = members[start : start + per]
-            fused = _fused(tensors, chunk, block, names, nonfinite)
-            if fused is not None:
+            done = fused_kernel(tensors, chunk, block, names, nonfinite)
+            if done is not None:
                 for j, i in enumerate(chunk):
-                    out[i] = fused[j]
+                    out[i] = done[j]
                 continue
             x = tensors[chunk[0]] if len(chunk) == 1 else torch.stack([tensors[i] for i in chunk])
             if nonfinite is not None:
@@ -315,7 +351,7 @@ class BlockFp8Scheme:
 
 def warm_up(shapes: Iterable[tuple[int, ...]], dtypes: Iterable[torch.dtype], device: torch.device) -> int:
     """Run the GPU quantizer once per distinct [N, K] and input dtype a push will quantize, on seeded tensors:
-    Triton compiles a kernel per specialization (and the first batch is checked against the reference) at the
+    Triton compiles a kernel per specialization (and its first batch is checked against the reference) at the
     first call, about half a second that would otherwise fall inside the first sync's pause. Returns the calls."""
     if device.type != "cuda":
         return 0  # the reference runs there: nothing to compile

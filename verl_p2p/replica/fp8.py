@@ -6,13 +6,15 @@ same quant config SGLang's loader derives from the checkpoint, so its write plan
 Everything else that changes weight bytes on the rollout GPU after loading is refused here, before a byte
 moves: online quantization of a bf16 checkpoint (`--quantization fp8` and friends re-allocate parameters),
 quantizations the trainer's quantizer (`verl_p2p.quant.block_fp8`) cannot reproduce, and platforms whose
-post-load processing rewrites FP8 bytes (ROCm's e4m3fnuz normalisation, Blackwell's UE8M0 scale re-packing).
+post-load processing rewrites FP8 bytes (ROCm's e4m3fnuz normalisation, Blackwell's UE8M0 scale re-packing),
+decided on the rollout's own GPU where its server launches and on the trainer's for the replica's planning.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from verl_p2p.errors import QuantizationError, UnsupportedLayoutError
@@ -47,29 +49,58 @@ def quantization_problems(server_args: Mapping[str, Any], hf: Mapping[str, Any])
     return []
 
 
-def check_local_platform() -> None:
-    """Refuse FP8 replicas on platforms whose SGLang post-processing rewrites FP8 bytes: ROCm (e4m3fnuz) and
-    Blackwell (DeepGEMM's UE8M0 scales). The rollout's GPU is not in its `/server_info`; SGLang decides both
-    from the GPU it runs on, and the replica runs the same SGLang on the trainer's GPU, so the check is made
-    there (a cluster whose trainer and rollout GPUs differ in generation is caught by verify_first_push)."""
-    import torch
+@dataclass(frozen=True)
+class Fp8Platform:
+    """What SGLang decides from the GPU it runs on that changes FP8 bytes after loading."""
 
-    if getattr(torch.version, "hip", None):
-        raise QuantizationError(
+    hip: bool  # torch built for ROCm: SGLang normalises e4m3fn to e4m3fnuz
+    scale_ue8m0: bool  # DeepGEMM's UE8M0 scales (Blackwell): SGLang re-packs weight_scale_inv
+
+    @classmethod
+    def local(cls) -> Fp8Platform:
+        """This process's GPU, as SGLang sees it (imports SGLang's DeepGEMM wrapper)."""
+        import torch
+
+        try:
+            from sglang.srt.layers import deep_gemm_wrapper
+        except ImportError:  # pragma: no cover - every supported release has it
+            deep_gemm_wrapper = None
+        return cls(
+            hip=bool(getattr(torch.version, "hip", None)),
+            scale_ue8m0=bool(getattr(deep_gemm_wrapper, "DEEPGEMM_SCALE_UE8M0", False)),
+        )
+
+
+def fp8_platform_problem(platform: Fp8Platform) -> str | None:
+    """Why block-FP8 bytes written by p2p would not be what SGLang serves on `platform`, or None (Hopper)."""
+    if platform.hip:
+        return (
             "block-FP8 rollout on ROCm: SGLang normalises e4m3fn weights to e4m3fnuz after loading (and again at "
             "every weight update), so the bytes are not the checkpoint's; p2p FP8 supports CUDA Hopper rollouts; "
             "serve the rollout in bf16 on ROCm"
         )
-    try:
-        from sglang.srt.layers import deep_gemm_wrapper
-    except ImportError:  # pragma: no cover - every supported release has it
-        return
-    if getattr(deep_gemm_wrapper, "DEEPGEMM_SCALE_UE8M0", False):
-        raise QuantizationError(
+    if platform.scale_ue8m0:
+        return (
             "block-FP8 rollout on Blackwell (sm100/sm120): SGLang re-quantizes the weights' scales to UE8M0 and "
             "re-packs weight_scale_inv after loading, so the rollout's bytes are not the checkpoint's; p2p FP8 "
             "supports Hopper (sm90) scale layouts; serve the rollout in bf16 on Blackwell"
         )
+    return None
+
+
+def check_fp8_platform(platform: Fp8Platform, where: str) -> None:
+    problem = fp8_platform_problem(platform)
+    if problem is not None:
+        raise QuantizationError(f"{where}: {problem}")
+
+
+def check_local_platform() -> None:
+    """Refuse to plan FP8 replicas with an SGLang whose GPU rewrites FP8 bytes (ROCm, Blackwell): the replica runs
+    SGLang's loader on the trainer, which derives its layouts from the trainer's GPU. This says nothing about the
+    rollout's GPU: that is checked where the rollout runs, before its server launches
+    (`rollout.launch.check_server_process`). Nothing later catches a rollout GPU the launch check did not see:
+    verify_first_push compares the replica with SGLang's loader, both on the trainer."""
+    check_fp8_platform(Fp8Platform.local(), "the trainer's SGLang, which plans the FP8 replica")
 
 
 def rank_quant_config(model_config: Any, load_config: Any) -> Any:

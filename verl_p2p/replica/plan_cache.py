@@ -17,12 +17,14 @@ home) never serves one kind's plan to another, nor a patched SGLang build the pl
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
 import logging
 import os
 import platform
+import stat
 import sys
 import tempfile
 from collections.abc import Mapping
@@ -32,18 +34,26 @@ from typing import Any
 
 import torch
 
+from verl_p2p.errors import P2PConfigError
 from verl_p2p.planning.layout import RankLayout
 from verl_p2p.replica.plan import HFSpecs, ParamPlan, RecordedWrite, SourceView, WritePlan
 
 logger = logging.getLogger(__name__)
 
-_CAPTURE_CODE = ("plan.py", "plan_cache.py", "rank_context.py", "stream.py", "fp8.py")  # fp8: the rank's quant config
+_CAPTURE_CODE = (
+    "plan.py",
+    "plan_cache.py",
+    "rank_context.py",
+    "rank_adapters.py",
+    "rank_groups.py",
+    "stream.py",
+    "fp8.py",  # the rank's quant config
+)
 # environment prefixes SGLang reads (at import and while building a model): e.g. SGLANG_USE_CPU_ENGINE pads the
 # vocabulary differently, SGLANG_USE_AITER changes MoE layouts on ROCm
 _SGLANG_ENV_PREFIXES = ("SGLANG_", "SGL_")
 # HF config entries that name where a config came from, not what the model is
 _CONFIG_PROVENANCE = frozenset({"_name_or_path", "transformers_version", "_commit_hash"})
-_install_digests: dict[str, str] = {}
 
 
 def _sglang_environment() -> dict[str, str]:
@@ -54,25 +64,35 @@ def _sglang_environment() -> dict[str, str]:
 # it resolves server args (0.5.23: SGLANG_ENABLE_TORCH_COMPILE, ...), which would make every later key differ
 # from a fresh process's. What SGLang sets there follows from the server args, which the key holds already.
 _SGLANG_ENV = _sglang_environment()
-_code_digest: str | None = None
 
 
+@functools.cache
 def capture_code_digest() -> str:
-    """Digest of the modules that capture, store and key plans: any change to them makes older entries miss."""
-    global _code_digest
-    if _code_digest is None:
-        h = hashlib.sha256()
-        for name in _CAPTURE_CODE:
-            h.update((Path(__file__).with_name(name)).read_bytes())
-        _code_digest = h.hexdigest()[:16]
-    return _code_digest
+    """Digest of the modules that capture, store and key plans: any change to them makes older entries miss.
+    Memoized per process (`functools.cache`): the code a process runs does not change under it."""
+    h = hashlib.sha256()
+    for name in _CAPTURE_CODE:
+        h.update((Path(__file__).with_name(name)).read_bytes())
+    return h.hexdigest()[:16]
+
+
+@functools.cache
+def _tree_digest(root: str) -> str:
+    """Digest of the Python files under `root` (names and contents), memoized per process and directory: an
+    installed package is not replaced under a running process, and hashing SGLang's files is slow."""
+    h = hashlib.sha256()
+    base = Path(root)
+    for path in sorted(base.rglob("*.py")):
+        h.update(f"\n{path.relative_to(base).as_posix()}\n".encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:32]
 
 
 def sglang_install_digest() -> str:
     """Digest of the installed SGLang package's Python files (names and contents), without importing SGLang.
 
     Two builds with one `__version__` (a patched install, a fork) load weights differently; this tells them
-    apart. Computed once per process and package directory (about 0.4 s for SGLang's ~2000 files)."""
+    apart. Computed once per process and package directory (`_tree_digest`)."""
     module = sys.modules.get("sglang")
     origin = getattr(module, "__file__", None) if module is not None else None
     if origin is None:
@@ -80,16 +100,7 @@ def sglang_install_digest() -> str:
         origin = spec.origin if spec is not None else None
     if origin is None:
         return "absent"
-    root = Path(origin).parent
-    key = str(root)
-    digest = _install_digests.get(key)
-    if digest is None:
-        h = hashlib.sha256()
-        for path in sorted(root.rglob("*.py")):
-            h.update(f"\n{path.relative_to(root).as_posix()}\n".encode())
-            h.update(path.read_bytes())
-        digest = _install_digests[key] = h.hexdigest()[:32]
-    return digest
+    return _tree_digest(str(Path(origin).parent))
 
 
 def host_identity() -> str:
@@ -272,11 +283,46 @@ def read_entry(path: str | os.PathLike) -> tuple[dict, WritePlan]:
     return header["key"], plan_from_json(json.loads(body))
 
 
+def _foreign(st: os.stat_result) -> str | None:
+    """Why a file or directory with this status may hold what another user wrote, or None."""
+    if st.st_uid != os.getuid():
+        return f"owned by uid {st.st_uid}, not this user (uid {os.getuid()})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"group- or world-writable (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def ensure_private_directory(directory: Path) -> None:
+    """Create `directory` (mode 0700) if it is missing; refuse one another user could write into.
+
+    An entry's checksum proves integrity, not authorship: a cached plan decides which rollout parameters are
+    never written (`local`, counted as covered) and which are derived, and nothing re-checks those lists. So the
+    cache is trusted only where nobody but this user can plant or change an entry. A directory that cannot be
+    created is left to `save` (an unwritable cache costs a capture, not the run)."""
+    try:
+        if not directory.exists():
+            directory.parent.mkdir(parents=True, exist_ok=True)
+            directory.mkdir(mode=0o700, exist_ok=True)
+        st = directory.stat()
+    except OSError as exc:
+        logger.warning("p2p plan cache: cannot create %s (%s); plans will be captured, not cached", directory, exc)
+        return
+    why = "not a directory" if not stat.S_ISDIR(st.st_mode) else _foreign(st)
+    if why is not None:
+        raise P2PConfigError(
+            f"plan_cache_dir {directory} is {why}: another user could plant write plans there that make p2p skip "
+            f"parameters silently. Fix: `chmod 700 {directory}` if it is yours, or set engine_kwargs.verl_p2p."
+            "plan_cache_dir to a directory only you can write (it is created with mode 0700), or to '' (no cache)"
+        )
+
+
 class PlanCache:
-    """A directory of write plans, one file per `PlanKey`."""
+    """A directory of write plans, one file per `PlanKey`, that only this user can write
+    (`ensure_private_directory`, checked when the cache is opened)."""
 
     def __init__(self, directory: str | os.PathLike):
         self.directory = Path(directory)
+        ensure_private_directory(self.directory)
 
     @classmethod
     def from_option(cls, option: str | None) -> PlanCache | None:
@@ -295,11 +341,16 @@ class PlanCache:
         """The cached plan of `key`, or None (missing; unreadable, corrupt or foreign entries are logged)."""
         path = self.path(key)
         try:
-            text = path.read_text()
+            with open(path) as f:
+                foreign = _foreign(os.fstat(f.fileno()))
+                text = f.read()
         except FileNotFoundError:
             return None
         except OSError as exc:
             logger.warning("p2p plan cache: cannot read %s (%s); capturing the plan again", path, exc)
+            return None
+        if foreign is not None:
+            logger.warning("p2p plan cache: ignoring %s, %s; capturing the plan again", path, foreign)
             return None
         try:
             header_line, body = text.split("\n", 1)

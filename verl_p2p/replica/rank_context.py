@@ -4,10 +4,10 @@ SGLang's model classes and weight loaders ask the parallel state who they are (t
 expert-parallel rank, ...), read the global server args, the MoE backend config, the DP-attention flags
 and the expert-location map. A `RankContext` prepares all of that for one rank of one layout and installs
 it while entered, so SGLang builds and loads exactly the shard that rank holds. The group objects are
-stand-ins (`StandInGroup`): they answer every question about membership and refuse communication.
+stand-ins (`StandInGroup`, rank_groups.py): they answer every question about membership and refuse communication.
 
 Where that state lives depends on the release, and the adapter is chosen by what the installed SGLang offers
-(`RankStateFeatures`), not by its version string. Where the parallel groups are module globals (0.5.12 ..
+(`RankStateFeatures`), not by its version string; the adapters live in rank_adapters.py. Where the parallel groups are module globals (0.5.12 ..
 0.5.20), `_GlobalsAdapter` runs SGLang's own initializers once per rank and swaps the globals they set in
 and out; from 0.5.14 part of that state (flags, resources, published config) lives in the process-wide
 `runtime_context`, which then gets a fresh context per rank, swapped in with the globals. Where the runtime
@@ -21,9 +21,8 @@ every entry takes one module lock (re-entrant).
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
-import dis
+import functools
 import hashlib
 import importlib
 import importlib.util
@@ -34,133 +33,33 @@ import os
 import re
 import stat
 import tempfile
-import threading
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-
+from verl_p2p.environment import environment_set  # noqa: F401 - also imported from here (tests/support)
 from verl_p2p.errors import UnsupportedLayoutError
 from verl_p2p.planning.layout import RankLayout, check_reproducible, layout_from_server_args
+from verl_p2p.replica.rank_adapters import (  # noqa: F401 - HYBRID_CPU_SETTINGS, hybrid_linear_attention re-exported
+    HYBRID_CPU_SETTINGS,
+    INSTANCE_FIELDS,
+    RANK_STATE_LOCK,
+    _GlobalsAdapter,
+    _RuntimeContextAdapter,
+    _sglang_field_values,
+    hybrid_linear_attention,
+)
+from verl_p2p.replica.rank_groups import StandInGroup, group_ranks, stand_in_groups  # noqa: F401 - re-exported
 
-_LOCK = threading.RLock()
+_LOCK = RANK_STATE_LOCK
 logger = logging.getLogger(__name__)
 
 # The SGLang releases the replica supports, both ends included (the `sglang` extra of pyproject.toml says the
 # same). CI runs the replica-exact matrix on 0.5.12, 0.5.21 and 0.5.23 (tests/test_replica_exact.py).
 TESTED_SGLANG_RANGE = ("0.5.12", "0.5.23")
 
-# Server-args fields that name one engine instance (ports, hosts, paths, logs), not the bytes it holds.
-INSTANCE_FIELDS = frozenset(
-    {
-        "model_path",
-        "tokenizer_path",
-        "host",
-        "port",
-        "nccl_port",
-        "dist_init_addr",
-        "engine_info_bootstrap_port",
-        "disaggregation_bootstrap_port",
-        "base_gpu_id",
-        "gpu_id_step",
-        "node_rank",
-        "served_model_name",
-        "api_key",
-        "admin_api_key",
-        "random_seed",
-        "log_level",
-        "log_level_http",
-        "log_requests",
-        "log_requests_level",
-        "enable_metrics",
-        "file_storage_path",
-        "crash_dump_folder",
-        "version",
-        "weight_version",
-        "download_dir",
-        "decrypted_config_file",
-        "decrypted_draft_config_file",
-        "remote_instance_weight_loader_seed_instance_ip",
-        "remote_instance_weight_loader_seed_instance_service_port",
-        "remote_instance_weight_loader_send_weights_group_ports",
-    }
-)
-
 
 class UnsupportedSGLangVersionError(UnsupportedLayoutError):
     """The installed SGLang release has no rank-context adapter here."""
-
-
-class StandInGroup:
-    """Stand-in for SGLang's `GroupCoordinator`: membership answers, no communication.
-
-    One fresh object per group per rank context; never mutated after construction.
-    """
-
-    def __init__(self, name: str, ranks: list[int], rank: int):
-        if rank not in ranks:
-            raise ValueError(f"rank {rank} is not a member of group {name} {ranks}")
-        self.unique_name = f"verl_p2p_stand_in:{name}"
-        self.group_name = name
-        self.ranks = list(ranks)
-        self.rank = rank
-        self.local_rank = rank
-        self.world_size = len(ranks)
-        self.rank_in_group = self.ranks.index(rank)
-        self.first_rank = self.ranks[0]
-        self.last_rank = self.ranks[-1]
-        self.is_first_rank = rank == self.first_rank
-        self.is_last_rank = rank == self.last_rank
-        self.next_rank = self.ranks[(self.rank_in_group + 1) % self.world_size]
-        self.prev_rank = self.ranks[(self.rank_in_group - 1) % self.world_size]
-        self.device = torch.device("cpu")
-        self.local_size = self.world_size
-        self.cpu_group = None
-        self.device_group = None
-        for flag in ("use_pynccl", "use_pymscclpp", "use_custom_allreduce", "use_torch_symm_mem_all_reduce"):
-            setattr(self, flag, False)
-        for comm in ("pynccl_comm", "pymscclpp_comm", "ca_comm", "qr_comm", "torch_symm_mem_comm", "mq_broadcaster"):
-            setattr(self, comm, None)
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        raise AttributeError(
-            f"{self.unique_name} (verl_p2p rank-context stand-in) has no {name!r}: the replica builds and loads "
-            "weights without communication; if this SGLang release needs it there, extend StandInGroup"
-        )
-
-    def __repr__(self) -> str:
-        return f"StandInGroup({self.group_name}, ranks={self.ranks}, rank={self.rank})"
-
-
-def group_ranks(layout: RankLayout) -> dict[str, list[int]]:
-    """The global ranks of every parallel group rank `layout.tp_rank` belongs to (rollout PP is 1)."""
-    r, t = layout.tp_rank, layout.tp_size
-    attn_start = layout.attn_dp_rank * layout.attn_tp_size
-    moe_tp_start = layout.moe_ep_rank * layout.moe_tp_size
-    return {
-        "world": list(range(t)),
-        "tp": list(range(t)),
-        "pp": [r],
-        "attn_tp": list(range(attn_start, attn_start + layout.attn_tp_size)),
-        "attn_cp": [r],
-        "moe_dp": [r],
-        "moe_tp": list(range(moe_tp_start, moe_tp_start + layout.moe_tp_size)),
-        "moe_ep": [layout.moe_tp_rank + k * layout.moe_tp_size for k in range(layout.ep_size)],
-    }
-
-
-def stand_in_groups(layout: RankLayout) -> dict[str, StandInGroup]:
-    """A fresh set of stand-in groups for one rank; like SGLang, a group spanning the TP group *is* it."""
-    ranks = group_ranks(layout)
-    groups = {"world": StandInGroup("world", ranks["world"], layout.tp_rank)}
-    groups["tp"] = StandInGroup("tp", ranks["tp"], layout.tp_rank)
-    for name, members in ranks.items():
-        if name not in groups:
-            same = members == ranks["tp"] and name != "pp"
-            groups[name] = groups["tp"] if same else StandInGroup(name, members, layout.tp_rank)
-    return groups
 
 
 def sglang_version() -> str:
@@ -261,18 +160,15 @@ def hf_config_dict(hf_config: Any) -> dict:
     return to_dict()
 
 
-_private_base: str | None = None
-
-
+@functools.cache
 def _private_config_base() -> str:
     """This user's own directory for config copies: `<tmp>/verl_p2p_cfg-<uid>`, mode 0700, owned by this user.
 
     A shared temporary directory lets anyone create that name first (or a symlink of it); such a directory
     (not ours, not private, not a directory) is never used: a fresh `mkdtemp` directory serves this process.
+    Chosen once per process (`functools.cache`): every config copy of a process goes to one directory, and a
+    fallback `mkdtemp` directory is made at most once.
     """
-    global _private_base
-    if _private_base is not None:
-        return _private_base
     uid = os.getuid()
     base = os.path.join(tempfile.gettempdir(), f"verl_p2p_cfg-{uid}")
     try:
@@ -292,7 +188,6 @@ def _private_config_base() -> str:
             base,
         )
         base = fresh
-    _private_base = base
     return base
 
 
@@ -329,21 +224,6 @@ def rollout_environment(server_args: Mapping[str, Any]) -> dict[str, bool]:
     from verl_p2p.planning.shared_experts import SHARED_TP1
 
     return {SHARED_TP1: True} if server_args.get(SHARED_TP1) is True else {}
-
-
-@contextlib.contextmanager
-def environment_set(settings: Mapping[str, str]):
-    """The process environment with `settings` while inside, each variable restored (or removed) on exit."""
-    saved = {k: os.environ.get(k) for k in settings}
-    os.environ.update(settings)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _rollout_environment_set(settings: Mapping[str, bool]):
@@ -487,297 +367,3 @@ class RankContext:
 def rank_context(server_args: Mapping[str, Any], layout: RankLayout, hf_config: Any) -> RankContext:
     """The rank state of rollout rank `layout.tp_rank`; use as `with rank_context(...) as ctx:`."""
     return RankContext(server_args, layout, hf_config)
-
-
-def _sglang_field_values(server_args: Mapping[str, Any], names: set[str]) -> dict:
-    """The ServerArgs fields of the installed release found in `server_args`, instance fields left out."""
-    return {k: v for k, v in server_args.items() if k in names and k not in INSTANCE_FIELDS}
-
-
-def _with_config_dir(values: dict, names: set[str], config_dir: str) -> dict:
-    values = dict(values, model_path=config_dir)
-    if "tokenizer_path" in names:
-        values["tokenizer_path"] = config_dir
-    return values
-
-
-# Scheduler settings of hybrid linear-attention models (Qwen3-Next) that SGLang refuses on a CPU host: the Mamba
-# cache's `extra_buffer` needs a GPU platform and `no_buffer` no overlap schedule. They size caches and order
-# batches, not weights: the planning context takes the CPU-legal values (and so do the CPU loopback ranks).
-HYBRID_CPU_SETTINGS = {"mamba_radix_cache_strategy": "no_buffer", "disable_overlap_schedule": True}
-
-
-def hybrid_linear_attention(cfg: Mapping[str, Any]) -> bool:
-    """A model whose layers mix linear (gated-delta-net / Mamba) and full attention."""
-    return "linear_attention" in (cfg.get("layer_types") or ()) or "full_attention_interval" in cfg
-
-
-def _planning_values(values: dict, names: set[str], ctx: Any) -> dict:
-    """The rollout's server args as the planning context hands them to SGLang on this host."""
-    values = _with_config_dir(values, names, ctx.config_dir)
-    if getattr(ctx, "hybrid_linear_attention", False):
-        values.update({k: v for k, v in HYBRID_CPU_SETTINGS.items() if k in names})
-    return values
-
-
-class _ModuleState:
-    """Saves, installs and restores named globals of SGLang modules."""
-
-    def __init__(self, modules: list):
-        self.modules = modules
-        self.ours: list[dict] = [{} for _ in modules]
-        self._saved: list[dict] | None = None
-
-    def capture(self, run, initializers) -> None:
-        """Run SGLang's own initializers once; keep every global they assign as this rank's value."""
-        assigned: dict[str, set[str]] = {}
-        for f in initializers:
-            stores = {i.argval for i in dis.get_instructions(f) if i.opname == "STORE_GLOBAL"}
-            assigned.setdefault(f.__module__, set()).update(stores)
-        before = [dict(vars(m)) for m in self.modules]
-        try:
-            run()
-            for i, m in enumerate(self.modules):
-                now = vars(m)
-                changed = {k for k in now if k not in before[i] or now[k] is not before[i][k]}
-                own = {k for k in assigned.get(m.__name__, ()) if k in now}
-                self.ours[i].update({k: now[k] for k in changed | own})
-        finally:
-            self._restore(before)
-
-    def set(self, module, name: str, value: Any) -> None:
-        self.ours[self.modules.index(module)][name] = value
-
-    def activate(self) -> None:
-        self._saved = [{k: vars(m).get(k, _MISSING) for k in self.ours[i]} for i, m in enumerate(self.modules)]
-        for i, m in enumerate(self.modules):
-            for k, v in self.ours[i].items():
-                setattr(m, k, v)
-
-    def deactivate(self) -> None:
-        saved, self._saved = self._saved, None
-        if saved is not None:
-            self._restore(saved)
-
-    def _restore(self, saved: list[dict]) -> None:
-        for i, m in enumerate(self.modules):
-            for k, v in saved[i].items():
-                if v is _MISSING:
-                    vars(m).pop(k, None)
-                else:
-                    setattr(m, k, v)
-
-
-_MISSING = object()
-
-
-def _call(fn, *args, **keywords):
-    """Call an SGLang function with the keyword arguments its signature in this release accepts."""
-    accepted = inspect.signature(fn).parameters
-    return fn(*args, **{k: v for k, v in keywords.items() if k in accepted})
-
-
-def _optional_module(name: str):
-    return importlib.import_module(name) if importlib.util.find_spec(name) is not None else None
-
-
-class _GlobalsAdapter:
-    """SGLang releases whose parallel groups are module globals (0.5.12 .. 0.5.20): groups, DP-attention
-    ranks, MoE config, server args and expert map are globals, or (from 0.5.14) partly state of the
-    process-wide `runtime_context`, which then gets a fresh context of its own per rank, swapped in with the
-    globals. SGLang's own initializers run once, called with the arguments their signature takes here."""
-
-    def __init__(self, ctx: RankContext):
-        import sglang.srt.distributed.parallel_state as ps
-        import sglang.srt.eplb.expert_location as el
-        import sglang.srt.layers.dp_attention as dpa
-        import sglang.srt.layers.moe.utils as moe_utils
-        import sglang.srt.server_args as sa_mod
-        from sglang.srt.configs.model_config import ModelConfig
-        from sglang.srt.layers.moe import initialize_moe_config
-        from sglang.srt.server_args import ServerArgs
-
-        rc = _optional_module("sglang.srt.runtime_context")
-        layout = ctx.layout
-        self.fields_used, record = _server_args_record(ServerArgs, ctx)
-        self.server_args = record
-        self.state = _ModuleState([ps, dpa, moe_utils, sa_mod, el] + ([rc] if rc is not None else []))
-        groups = stand_in_groups(layout)
-        for name, attr in (
-            ("world", "_WORLD"),
-            ("tp", "_TP"),
-            ("pp", "_PP"),
-            ("attn_tp", "_ATTN_TP"),
-            ("attn_cp", "_ATTN_CP"),
-            ("moe_dp", "_MOE_DP"),
-            ("moe_tp", "_MOE_TP"),
-            ("moe_ep", "_MOE_EP"),
-        ):
-            self.state.set(ps, attr, groups[name])
-        self.state.set(ps, "_ENABLE_PDMUX_P_TP", False)
-        self.state.set(el, "_global_expert_location_metadata", None)
-        if rc is not None:  # flags, resources and published config of this rank live in its own context
-            context = rc.RuntimeContext(parallel=rc.ParallelContext())
-            self.state.set(rc, "_CONTEXT", context)
-            self.state.set(rc, "_PARALLEL", context.parallel)
-        built: dict[str, Any] = {}
-
-        def init() -> None:
-            sa_mod.set_global_server_args_for_scheduler(record)  # from 0.5.17 it publishes into the context
-            built["model_config"] = model_config = ModelConfig.from_server_args(record)
-            _call(initialize_moe_config, server_args=record)
-            dpa.initialize_dp_attention(record, model_config)
-            compute = el.compute_initial_expert_location_metadata
-            if "server_args" in inspect.signature(compute).parameters:  # up to 0.5.18: the record says the device
-                on_cpu = copy.copy(record)
-                on_cpu.device = "cpu"
-                metadata = compute(on_cpu, model_config, layout.moe_ep_rank)
-            else:  # the resolved record is read-only; the context's device bag says it
-                with rc.get_device().override(device="cpu"):
-                    metadata = compute(model_config=model_config, moe_ep_rank=layout.moe_ep_rank)
-            _call(el.set_global_expert_location_metadata, metadata, allow_overwrite=True)
-
-        initializers = (
-            sa_mod.set_global_server_args_for_scheduler,
-            initialize_moe_config,
-            dpa.initialize_dp_attention,
-            el.set_global_expert_location_metadata,
-        )
-        self.state.activate()
-        try:
-            self.state.capture(init, initializers)
-        finally:
-            self.state.deactivate()
-        self.model_config = built["model_config"]
-
-    def activate(self) -> None:
-        self.state.activate()
-
-    def deactivate(self) -> None:
-        self.state.deactivate()
-
-
-def _server_args_record(ServerArgs, ctx: RankContext) -> tuple[dict, Any]:
-    """The rollout's ServerArgs as this release's record, and the fields of it taken from `/server_info`.
-
-    A dataclass ServerArgs (up to 0.5.19) is filled without re-running `__post_init__`: `/server_info`
-    carries resolved values. A declared one (0.5.20 on) takes them as raw input and resolves when published.
-    """
-    if not dataclasses.is_dataclass(ServerArgs):
-        from sglang.srt.arg_groups.arg_utils import record_fields
-
-        names = {f.name for f in record_fields(ServerArgs)}
-        used = _sglang_field_values(ctx.server_args_in, names)
-        return used, ServerArgs(**_planning_values(used, names, ctx))
-    names = {f.name for f in dataclasses.fields(ServerArgs)}
-    record = object.__new__(ServerArgs)
-    for f in dataclasses.fields(ServerArgs):
-        if f.default is not dataclasses.MISSING:
-            value = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            value = f.default_factory()
-        else:
-            value = None
-        setattr(record, f.name, value)
-    used = _sglang_field_values(ctx.server_args_in, names)
-    for k, v in _planning_values(used, names, ctx).items():
-        setattr(record, k, v)
-    if record.device is None:
-        record.device = "cuda"
-    return used, record
-
-
-@contextlib.contextmanager
-def _swapped_in(rc, context):
-    """Make `context` the process's runtime context while inside (what `use_context` does where it exists)."""
-    previous = rc._CONTEXT, rc._PARALLEL
-    rc._CONTEXT, rc._PARALLEL = context, context.parallel
-    try:
-        yield context
-    finally:
-        rc._CONTEXT, rc._PARALLEL = previous
-
-
-def _new_rank_context(rc, record, ranks):
-    """A runtime context of its own for one rank, and the function that activates it.
-
-    Releases with `create_context`/`use_context` (0.5.22 on) build one directly. Before that (0.5.21),
-    `publish` configures the process-wide context in place, so it gets a fresh one swapped in to configure.
-    """
-    if hasattr(rc, "create_context") and hasattr(rc, "use_context"):
-        return rc.create_context(record, role="scheduler", ranks=ranks), rc.use_context
-    context = rc.RuntimeContext(parallel=rc.ParallelContext())
-    with _swapped_in(rc, context):
-        rc.publish(record, role="scheduler", ranks=ranks)
-    return context, lambda c: _swapped_in(rc, c)
-
-
-class _RuntimeContextAdapter:
-    """SGLang 0.5.21 on: one `RuntimeContext` per rank, groups stamped on its parallel state."""
-
-    def __init__(self, ctx: RankContext):
-        import sglang.srt.runtime_context as rc
-        from sglang.srt.arg_groups.arg_utils import record_fields
-        from sglang.srt.configs.model_config import ModelConfig
-        from sglang.srt.eplb.expert_location import (
-            compute_initial_expert_location_metadata,
-            set_global_expert_location_metadata,
-        )
-        from sglang.srt.layers.dp_attention import init_dp_gathered_buffer, initialize_dp_attention
-        from sglang.srt.layers.moe import initialize_moe_config
-        from sglang.srt.runtime_context import SpawnRanks, get_device, get_parallel
-        from sglang.srt.server_args import ServerArgs
-
-        layout = ctx.layout
-        names = {f.name for f in record_fields(ServerArgs)}
-        self.fields_used = _sglang_field_values(ctx.server_args_in, names)
-        # Raw input, as the CLI would give it (nested configs as dicts); the context resolves it.
-        record = ServerArgs(**_planning_values(self.fields_used, names, ctx))
-        self.server_args = record
-        with _LOCK:
-            self.context, self._use_context = _new_rank_context(rc, record, SpawnRanks(world_rank=layout.tp_rank))
-        use_context = self._use_context
-        groups = stand_in_groups(layout)
-        stamped = {f"{name}_group": g for name, g in groups.items()}
-        with use_context(self.context):
-            parallel = get_parallel()
-            shared_tp = getattr(parallel, "shared_experts_tp_size", None)
-            if shared_tp is not None and shared_tp > 1:
-                raise UnsupportedLayoutError(
-                    f"shared_experts_tp_size={shared_tp} is not supported by the replica; leave it unset"
-                )
-            if parallel.attn_dcp_size > 1:
-                raise UnsupportedLayoutError("decode context parallelism (dcp_size > 1) is not supported")
-            parallel.override_permanently(**stamped)
-            self.model_config = ModelConfig.from_server_args(record)
-            initialize_moe_config()
-            initialize_dp_attention(record)
-            init_dp_gathered_buffer(self.model_config)
-            with get_device().override(device="cpu"):
-                metadata = compute_initial_expert_location_metadata(
-                    model_config=self.model_config, moe_ep_rank=layout.moe_ep_rank
-                )
-            set_global_expert_location_metadata(metadata, allow_overwrite=True)
-            placed = {
-                "tp_rank": parallel.tp_rank,
-                "attn_tp_rank": parallel.attn_tp_rank,
-                "attn_dp_rank": parallel.attn_dp_rank,
-                "moe_ep_rank": parallel.moe_ep_rank,
-                "moe_tp_rank": parallel.moe_tp_rank,
-            }
-        expected = {k: getattr(layout, k) for k in placed}
-        if placed != expected:
-            raise UnsupportedLayoutError(
-                f"SGLang {ctx.version} places rank {layout.tp_rank} at {placed}, the p2p layout says {expected}: "
-                "the layout arithmetic in verl_p2p/planning/layout.py no longer matches this SGLang release"
-            )
-        self._active = None
-
-    def activate(self) -> None:
-        self._active = self._use_context(self.context)
-        self._active.__enter__()
-
-    def deactivate(self) -> None:
-        active, self._active = self._active, None
-        if active is not None:
-            active.__exit__(None, None, None)

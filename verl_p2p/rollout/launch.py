@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 from collections.abc import Mapping
 from typing import Any
 
 from verl_p2p.config import config_field
 from verl_p2p.errors import P2PConfigError, UnsupportedLayoutError
 from verl_p2p.planning.layout import SPECULATIVE, check_reproducible, check_server_info, dp_problem, speculative_problem
-from verl_p2p.rollout.post_processing import check_device
+from verl_p2p.planning.weight_caches import HPC_PACKAGE, env_cache_problems, hpc_gemm_problem, server_arg_cache_problems
+from verl_p2p.rollout.post_processing import Platform, check_device, check_platform, local_platform
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +84,7 @@ def server_arg_problems(sglang: Mapping[str, Any]) -> list[str]:
     speculative = speculative_problem(sglang)
     if speculative is not None:
         problems.append(f"{speculative}: drop {OVERRIDE}{SPECULATIVE}")
+    problems += [f"{OVERRIDE}{problem}" for problem in server_arg_cache_problems(sglang)]
     port = sglang.get(BOOTSTRAP_PORT)
     if port is None:
         problems.append(
@@ -169,6 +172,57 @@ def check_live_server_args(server_info: Mapping[str, Any], engine: int | None = 
             "server process and turned it off (install mooncake-transfer-engine where the rollout runs)"
         )
     raise P2PConfigError(f"{where} does not publish its weight memory ({SEED_FLAG}=false): {why}")
+
+
+def _hf_field(hf_config: Any, name: str) -> Any:
+    if hf_config is None:
+        return None
+    if isinstance(hf_config, Mapping):
+        return hf_config.get(name)
+    return getattr(hf_config, name, None)
+
+
+def fp8_checkpoint(hf_config: Any) -> bool:
+    """The rollout loads a quantized checkpoint (its config carries a quantization_config)."""
+    return bool(_hf_field(hf_config, "quantization_config"))
+
+
+def hpc_installed() -> bool:
+    """HPC-Ops is importable in this process (where the server runs, so in its scheduler processes too)."""
+    import importlib.util
+
+    return importlib.util.find_spec(HPC_PACKAGE) is not None
+
+
+def check_server_process(
+    sglang: Mapping[str, Any],
+    hf_config: Any,
+    where: str,
+    environ: Mapping[str, str] | None = None,
+    platform: Platform | None = None,
+    fp8_platform: Any = None,
+    hpc: bool | None = None,
+) -> None:
+    """Checks made in the rollout server's own process, before it launches: what only that host knows.
+
+    Its platform's post-load processing (`post_processing.check_platform`), the environment variables that turn on
+    an SGLang derived-weight cache (`planning.weight_caches`; SGLang's scheduler processes inherit them) or a
+    model that turns one on when HPC-Ops is installed here, and, for a quantized checkpoint, the FP8 platform of
+    this GPU (`replica.fp8.fp8_platform_problem`: the trainer cannot see it). `environ`, `platform`,
+    `fp8_platform` and `hpc` (HPC-Ops installed) default to this process's own.
+    """
+    check_platform(platform or local_platform(sglang.get("device")), where)
+    problems = env_cache_problems(os.environ if environ is None else environ)
+    architectures = _hf_field(hf_config, "architectures") or ()
+    hpc_problem = hpc_gemm_problem(architectures, hpc_installed() if hpc is None else hpc)
+    if hpc_problem is not None:
+        problems.append(hpc_problem)
+    if problems:
+        raise P2PConfigError(f"{where}: " + "; ".join(problems))
+    if fp8_checkpoint(hf_config) or sglang.get("quantization"):
+        from verl_p2p.replica.fp8 import Fp8Platform, check_fp8_platform
+
+        check_fp8_platform(fp8_platform or Fp8Platform.local(), where)
 
 
 # ---- per-replica launch ----------------------------------------------------------------------------------------

@@ -11,8 +11,13 @@ import ray
 from verl.workers.rollout import replica as _verl_replica
 from verl.workers.rollout.sglang_rollout.async_sglang_server import SGLangHttpServer
 
-from verl_p2p.rollout.launch import apply_to_replica, repair_scheduler_info, sglang_kwargs, uses_p2p
-from verl_p2p.rollout.post_processing import check_platform, local_platform
+from verl_p2p.rollout.launch import (
+    apply_to_replica,
+    check_server_process,
+    repair_scheduler_info,
+    sglang_kwargs,
+    uses_p2p,
+)
 
 _load = getattr(_verl_replica.RolloutReplicaRegistry._registry.get("sglang"), "original", None)
 SGLangReplica = (_load or _verl_replica._load_sglang)()
@@ -26,12 +31,13 @@ def platform_node() -> str:
 
 class P2PSGLangHttpServer(SGLangHttpServer):
     """verl's SGLang server actor, with `/server_info` repaired after launch (`launch.repair_scheduler_info`);
-    with p2p, the platform it runs on is checked first (`post_processing.check_platform`)."""
+    with p2p, what only its host knows is checked first (`launch.check_server_process`: platform, environment,
+    FP8 platform)."""
 
     async def launch_server(self, *args, **kwargs):
         if uses_p2p(self.config):  # where the server runs: its post-load processing must keep p2p's bytes
-            sglang = sglang_kwargs(self.config)
-            check_platform(local_platform(sglang.get("device")), f"rollout server on {platform_node()}")
+            hf_config = getattr(getattr(self, "model_config", None), "hf_config", None)
+            check_server_process(sglang_kwargs(self.config), hf_config, f"rollout server on {platform_node()}")
         await super().launch_server(*args, **kwargs)
         from sglang.srt.entrypoints import http_server
 

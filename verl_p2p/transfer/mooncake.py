@@ -12,6 +12,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
+from verl_p2p.environment import environment_set
 from verl_p2p.errors import TransferError
 from verl_p2p.transfer.base import check_rc
 
@@ -85,11 +86,9 @@ def transfer_timeout_env(timeout_s: float | None) -> Iterator[str | None]:
     if user is not None or timeout_s is None:
         yield user
         return
-    os.environ[TIMEOUT_ENV] = str(max(1, math.ceil(timeout_s)))
-    try:
-        yield os.environ[TIMEOUT_ENV]
-    finally:
-        os.environ.pop(TIMEOUT_ENV, None)
+    value = str(max(1, math.ceil(timeout_s)))
+    with environment_set({TIMEOUT_ENV: value}):
+        yield value
 
 
 class MooncakeTransport:

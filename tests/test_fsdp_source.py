@@ -20,8 +20,8 @@ import socket
 
 import pytest
 import torch
-
 from support.fsdp_ranks import RankJob, run_rank
+
 from verl_p2p.planning.targets import TargetRank
 from verl_p2p.transfer.receiver import FILL_BYTE, spec_from_plan, start_receivers, stop_all
 
@@ -67,7 +67,9 @@ class Rollout:
                 want = torch.full((p.nbytes,), FILL_BYTE, dtype=torch.uint8)
                 rep.load(name, {f: hf[f] for f in p.feeds}, want)
                 self.expected[t][name] = want
-        handles = start_receivers({f"{t.engine}.{t.rank}": spec_from_plan(self.replicas[t].plan.params) for t in TARGETS})
+        handles = start_receivers(
+            {f"{t.engine}.{t.rank}": spec_from_plan(self.replicas[t].plan.params) for t in TARGETS}
+        )
         self.receivers = {t: handles[f"{t.engine}.{t.rank}"] for t in TARGETS}
 
     def infos(self):
@@ -137,9 +139,7 @@ def test_a_rank_dying_mid_stream_leaves_its_targets_unknown_and_the_other_rank_r
     for h in rollout.receivers.values():
         h.fill()
     dead = 1
-    results = run_ranks(
-        model_dir, rollout, dies_after_writes=lambda r: 1 if r == dead else 0, repush=True
-    )
+    results = run_ranks(model_dir, rollout, dies_after_writes=lambda r: 1 if r == dead else 0, repush=True)
     first = results[dead]["sync"]
     assert "gone" in first["failed"], first
     unknown = {TargetRank(*t) for t in results[0]["sync"]["unknown"]}

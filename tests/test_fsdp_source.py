@@ -102,8 +102,8 @@ def run_ranks(model_dir, rollout: Rollout, **job_args) -> dict[int, dict]:
     results = dict(queue.get(timeout=600) for _ in procs)
     for p in procs:
         p.join(timeout=60)
-    for rank, r in sorted(results.items()):
-        assert "error" not in r, f"rank {rank}: {r['error']}"
+    errors = {rank: r["error"] for rank, r in results.items() if "error" in r}
+    assert not errors, "\n".join(f"rank {rank}: {e}" for rank, e in sorted(errors.items()))
     return results
 
 
@@ -124,6 +124,7 @@ def test_fsdp2_stream_from_every_rank_is_bit_exact_in_tp2_ep2_and_tp1_engines(tm
     results = run_ranks(model_dir, rollout)
     for rank, r in results.items():
         assert r["sync"]["mode"] == "full_stream"
+        assert r["sync"]["stream_is_manifest"] is True  # the pre-launch checks saw what verl then streamed
         parts = {part for part in r["sync"]["parts"].values()}
         assert parts == {(rank, WORLD)}, f"rank {rank} writes {parts}, not its part of every target"
     for t in TARGETS:

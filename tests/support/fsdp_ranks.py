@@ -59,7 +59,9 @@ def fsdp2_engine(model_dir: str, world: int, num_hidden_layers: int | None = Non
     from transformers import AutoModelForCausalLM
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
-    overrides = {} if num_hidden_layers is None else {"num_hidden_layers": num_hidden_layers}
+    overrides = {}
+    if num_hidden_layers is not None:  # transformers keeps one attention type per layer
+        overrides = {"num_hidden_layers": num_hidden_layers, "layer_types": ["full_attention"] * num_hidden_layers}
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **overrides)
     mesh = init_device_mesh("cpu", (world,))
     for layer in model.model.layers:
@@ -207,16 +209,26 @@ def _sync(job: RankJob, engine: Any, dying: int, only: list | None = None, dead:
     except Exception as exc:  # noqa: BLE001 - every rank reports the same refusal
         out["refused"] = f"{type(exc).__name__}: {exc}"
         return out
-    stream = drive_export(stage, export_engine_stage(exporter, found))
+    seen: list[tuple[str, tuple[int, ...], Any]] = []
+    out["stream_is_manifest"] = None  # set once the stream ran: what verl yielded equals the predicted manifest
+
+    def recorded(stream):
+        for name, tensor in stream:
+            seen.append((name, tuple(tensor.shape), tensor.dtype))
+            yield name, tensor
+        out["stream_is_manifest"] = seen == [(e.name, e.shape, e.dtype) for e in exporter.manifest()]
+        out["streamed"] = len(seen)
+
+    stream = drive_export(stage, recorded(export_engine_stage(exporter, found)))
     try:
-        if not push_targets:
+        if push_targets:
+            metrics = push(stream, push_targets, buffers, writer, checked=checked)
+            out["bytes_per_target"] = {str(t): n for t, n in metrics.bytes_per_target.items()}
+            out["peak_staged_bytes"] = metrics.peak_staged_bytes
+        else:  # no targets: the stream's gathers only (drive_export yields nothing here)
             for _ in stream:
                 pass
             out["bytes_per_target"] = {}
-            return out
-        metrics = push(stream, push_targets, buffers, writer, checked=checked)
-        out["bytes_per_target"] = {str(t): n for t, n in metrics.bytes_per_target.items()}
-        out["peak_staged_bytes"] = metrics.peak_staged_bytes
     except TransferError as exc:
         drain(stream, exc)
         out["failed"] = f"{type(exc).__name__}: {exc}"

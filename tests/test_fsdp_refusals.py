@@ -223,3 +223,17 @@ def test_every_fsdp_rank_writes_its_byte_balanced_part_of_every_target():
     assert full_stream_sources(2) == [SourceRank(0, 0), SourceRank(1, 0)]
     with pytest.raises(ValueError, match="build_transfer_plan"):
         build_full_stream_plan([SourceRank(0, 0), SourceRank(1, 1)], targets)
+
+
+def test_the_fsdp_estimate_has_every_rank_send_and_convert_only_its_share_of_each_layout():
+    from verl_p2p.planning.fsdp import estimate_full_stream
+    from verl_p2p.planning.plan import build_transfer_plan
+    from verl_p2p.planning.sync_estimate import estimate_sync
+
+    targets = [TargetRank(e, 0) for e in range(2)]  # two engines of one layout
+    keys = dict.fromkeys(targets, "tp1")
+    est = estimate_full_stream(4, targets, dict.fromkeys(targets, 4000), keys)
+    assert [s.rank for s in est.senders] == [0, 1, 2, 3]
+    assert all(s.convert_bytes == 1000 and sum(n for _, n in s.links) == 2000 for s in est.sources)
+    staged = estimate_sync(build_transfer_plan(full_stream_sources(4), targets), {t: {0: 4000} for t in targets}, keys)
+    assert all(s.convert_bytes == 2000 for s in staged.senders)  # k senders of one target each: twice the work

@@ -5,14 +5,17 @@ every tensor in turn: there is no stage and no idle rank. Rank `i` of `n` writes
 target (`split_by_bytes` over the target's parameters: disjoint, balanced by bytes, the same on every process),
 so all NICs send, each rank converts only its share of each distinct layout, and no byte is written twice.
 The result is an ordinary `TransferPlan` (one stage, `parts` set), so the push, the writer and
-`left_unknown` work unchanged. `verl-p2p plan` can call `plan_full_stream` for FSDP layouts.
+`left_unknown` work unchanged. `verl-p2p plan` can call `plan_full_stream` / `estimate_full_stream` for FSDP
+layouts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any
 
 from verl_p2p.planning.plan import SourceRank, TransferPlan
+from verl_p2p.planning.sync_estimate import SyncEstimate, estimate_sync
 from verl_p2p.planning.targets import TargetRank
 
 
@@ -48,3 +51,17 @@ def build_full_stream_plan(sources: Sequence[SourceRank], targets: Sequence[Targ
 def plan_full_stream(world_size: int, targets: Sequence[TargetRank]) -> TransferPlan:
     """`verl-p2p plan`'s entry for an FSDP actor of `world_size` ranks."""
     return build_full_stream_plan(full_stream_sources(world_size), targets)
+
+
+def estimate_full_stream(
+    world_size: int,
+    targets: Sequence[TargetRank],
+    bytes_per_target: Mapping[TargetRank, int],
+    layout_keys: Mapping[TargetRank, Hashable],
+    **options: Any,
+) -> SyncEstimate:
+    """`verl-p2p plan`'s estimate for an FSDP actor: `plan_full_stream` through `estimate_sync` (one stage, so
+    `bytes_per_target` is each rollout rank's whole bytes; `options` are `estimate_sync`'s keyword options)."""
+    transfer = plan_full_stream(world_size, targets)
+    by_stage = {t: {0: int(bytes_per_target[t])} for t in targets}
+    return estimate_sync(transfer, by_stage, layout_keys, **options)

@@ -20,10 +20,11 @@ import socket
 
 import pytest
 import torch
+from support import replica_harness as harness
 from support.fsdp_ranks import RankJob, run_rank
 
 from verl_p2p.planning.targets import TargetRank
-from verl_p2p.transfer.receiver import FILL_BYTE, spec_from_plan, start_receivers, stop_all
+from verl_p2p.transfer.receiver import spec_from_plan, start_receivers, stop_all
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 pytestmark = pytest.mark.slow
@@ -40,19 +41,22 @@ def _free_port() -> int:
 
 
 class Rollout:
-    """Receivers for TARGETS and what SGLang's loader puts in each rank's memory from the checkpoint."""
+    """Receivers for TARGETS, and what SGLang's own ranks hold after loading the checkpoint (witness processes:
+    real gloo worlds of 2 and 1 building SGLang's model classes with SGLang's loader), started at once."""
 
-    def __init__(self, model_dir) -> None:
-        from safetensors.torch import load_file
-
+    def __init__(self, model_dir, root) -> None:
         from verl_p2p.planning.layout import layout_from_server_args
         from verl_p2p.replica.stream import RankReplica
         from verl_p2p.sandbox.cpu_stubs import install_cpu_stubs
         from verl_p2p.trainer.hf_specs import hf_specs_from_checkpoint
 
         install_cpu_stubs()
+        self.root = root
+        jobs = {e: {"tag": f"e{e}", "model_path": str(model_dir), "server_args": sa} for e, sa in SERVER_ARGS.items()}
+        (root / "logs").mkdir()
+        spec = harness.write_spec(root / "witness.json", [(2, [jobs[0]]), (1, [jobs[1]])], root / "witness")
+        self.witnesses = harness.start_witnesses("0.5.12", spec, root / "logs")
         cfg = json.loads((model_dir / "config.json").read_text())
-        hf = load_file(str(model_dir / "model.safetensors"))
         specs = hf_specs_from_checkpoint(model_dir)
         self.replicas = {
             t: RankReplica.build(
@@ -60,31 +64,39 @@ class Rollout:
             )
             for t in TARGETS
         }
-        self.expected = {}
-        for t, rep in self.replicas.items():
-            self.expected[t] = {}
-            for name, p in rep.plan.params.items():
-                want = torch.full((p.nbytes,), FILL_BYTE, dtype=torch.uint8)
-                rep.load(name, {f: hf[f] for f in p.feeds}, want)
-                self.expected[t][name] = want
         handles = start_receivers(
             {f"{t.engine}.{t.rank}": spec_from_plan(self.replicas[t].plan.params) for t in TARGETS}
         )
         self.receivers = {t: handles[f"{t.engine}.{t.rank}"] for t in TARGETS}
+        self._expected = None
 
     def infos(self):
         return {t: h.remote_info() for t, h in self.receivers.items()}
 
+    def expected(self) -> dict:
+        if self._expected is None:
+            harness.wait_all(self.witnesses, 600, "SGLang witness ranks")
+            self._expected = {}
+            for t in TARGETS:
+                params = torch.load(self.root / "witness" / f"e{t.engine}" / f"rank{t.rank}.pt", weights_only=True)
+                self._expected[t] = {n: p.contiguous().view(-1).view(torch.uint8) for n, p in params.items()}
+        return self._expected
+
     def assert_exact(self, tmp_path, tag: str) -> None:
         for t in TARGETS:
             got = self.receivers[t].dump(str(tmp_path / f"{tag}{t.engine}.{t.rank}.pt"))
-            assert set(got) == set(self.expected[t])
-            for name, want in self.expected[t].items():
+            want = self.expected()[t]  # what SGLang's own rank holds after loading the checkpoint
+            assert set(got) == set(want)
+            for name in want:
                 assert not bool(got[name].view(torch.float32).isnan().any()), f"{t} {name}: unwritten bytes"
-                assert torch.equal(got[name], want), f"{t} {name}: bytes differ from SGLang's loader"
+                assert torch.equal(got[name], want[name]), f"{t} {name}: bytes differ from SGLang's rank"
 
     def close(self) -> None:
         stop_all(self.receivers.values())
+        for p in self.witnesses:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
 
 
 def run_ranks(model_dir, rollout: Rollout, **job_args) -> dict[int, dict]:
@@ -111,8 +123,9 @@ def run_ranks(model_dir, rollout: Rollout, **job_args) -> dict[int, dict]:
 def model(request, tmp_path_factory):
     from verl_p2p.sandbox.tiny import write_tiny_checkpoint
 
-    model_dir = write_tiny_checkpoint(tmp_path_factory.mktemp(request.param), request.param, id_encoded=True)
-    rollout = Rollout(model_dir)
+    root = tmp_path_factory.mktemp(request.param)
+    model_dir = write_tiny_checkpoint(root / "ckpt", request.param, id_encoded=True)
+    rollout = Rollout(model_dir, root)
     yield model_dir, rollout
     rollout.close()
 

@@ -2,8 +2,9 @@
 pushed by p2p's full-stream source into receiver processes (tests/test_fsdp_source.py).
 
 Real: the HF model (transformers), `fully_shard` over a CPU device mesh, verl's engine class and its stream
-method, verl's worker classes holding it, p2p's engine lookup, export, plan, replicas (SGLang's model classes),
-push and Mooncake writes. Stand-ins, named:
+method, verl's worker classes holding it, and p2p's `SourceSession` (engine lookup, export, apply: replicas from
+SGLang's model classes with their programs checked against SGLang's loader; push: go/no-go with the stream
+digest, pre-launch stream checks, Mooncake writes) under the full-stream plan. Stand-ins, named:
 
 - the engine instance is made with `object.__new__` and given the attributes verl's `initialize()` sets
   (`module`, `model_config`, offload flags): `FSDPEngine.__init__`/`initialize()` build a CUDA device mesh and are
@@ -19,11 +20,9 @@ from __future__ import annotations
 import os
 import traceback
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-SLOT_BYTES = 24 * 1024  # smaller than the largest parameter: chunked loads
 TIMEOUT_S = 20.0
 
 
@@ -39,7 +38,6 @@ class RankJob:
     remote_infos: dict[Any, Any]  # TargetRank -> RemoteRankInfo
     dies_after_writes: int = 0  # > 0: this rank's Mooncake endpoint dies after that many write calls
     repush: bool = False  # after a failure: re-push the unknown targets from the surviving ranks
-    extra_layer_on: int | None = None  # this rank builds its model with one more layer (a disagreeing stream)
     results: dict[str, Any] = field(default_factory=dict)
 
 
@@ -134,111 +132,90 @@ def _run(job: RankJob) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=job.rank, world_size=job.world, timeout=datetime.timedelta(seconds=120))
+    from verl_p2p.config import P2PConfig
     from verl_p2p.sandbox.cpu_stubs import install_cpu_stubs
+    from verl_p2p.trainer.source import SourceSession
 
     install_cpu_stubs()
     cpu_platform_for_verl_fsdp()
-    layers = None
-    if job.extra_layer_on == job.rank:
-        import json
+    if job.dies_after_writes:  # this rank's Mooncake endpoint, as the session opens it, dies mid-stream
+        from verl_p2p.transfer import mooncake
 
-        layers = json.loads((Path(job.model_dir) / "config.json").read_text())["num_hidden_layers"] + 1
-    engine = fsdp2_engine(job.model_dir, job.world, num_hidden_layers=layers)
+        real = mooncake.MooncakeTransport
+        mooncake.MooncakeTransport = lambda *a, **k: DiesAfter(real(*a, **k), job.dies_after_writes)
+    engine = fsdp2_engine(job.model_dir, job.world)
+    config = P2PConfig(
+        protocol="tcp", hostname="127.0.0.1", bucket_size_mb=1, p2p_transfer_timeout=TIMEOUT_S, plan_cache_dir=""
+    )
+    session = SourceSession(config, actor_worker(engine), hostname="127.0.0.1")  # finds verl's FSDP engine
     out = job.results
     try:
-        out["sync"] = _sync(job, engine, dying=job.dies_after_writes)
+        out["sync"] = _sync(job, session, generation=1)
         if job.repush and "unknown" in out["sync"]:
-            out["repush"] = _sync(job, engine, dying=0, only=out["sync"]["unknown"], dead=out["sync"]["dead"])
+            out["repush"] = _sync(job, session, 2, only=out["sync"]["unknown"], dead=out["sync"]["dead"])
     finally:
+        session.close()
         dist.destroy_process_group()
 
 
-def _sync(job: RankJob, engine: Any, dying: int, only: list | None = None, dead: list | None = None) -> dict:
-    """One sync of this rank: plan, replicas, checks, go/no-go, verl's stream into the push."""
+def full_stream_assignment(plan: Any, rank: int, world: int, generation: int, job: RankJob) -> Any:
+    """This rank's Assignment of a full-stream plan (what the driver's `assign` would send it)."""
+    from verl_p2p.backend.topology import Assignment
+    from verl_p2p.planning.layout import layout_from_server_args
+
+    mine = plan.targets_of(rank)
+    return Assignment(
+        generation=generation,
+        rank=rank,
+        pp_stage=0,
+        pp_size=1,
+        stage_ranks=tuple(range(world)),
+        stage_senders=tuple(r for r in range(world) if plan.targets_of(r)),
+        targets=mine,
+        rank_infos={t: job.remote_infos[t] for t in mine},
+        layouts={t: layout_from_server_args(job.server_args[t.engine], t.rank) for t in mine},
+        server_infos={e: job.server_args[e] for e in sorted({t.engine for t in mine})},
+        parts={t: plan.part_of(rank, t) for t in mine if plan.part_of(rank, t)[1] > 1},
+    )
+
+
+def _sync(job: RankJob, session: Any, generation: int, only: list | None = None, dead: list | None = None) -> dict:
+    """One sync of this rank through the real source session: apply the full-stream plan, push."""
     import torch.distributed as dist
 
     from verl_p2p.errors import TransferError
     from verl_p2p.planning.fsdp import build_full_stream_plan, full_stream_sources
-    from verl_p2p.planning.layout import layout_from_server_args
     from verl_p2p.planning.targets import TargetRank
-    from verl_p2p.replica.compiled import CompiledReplica
-    from verl_p2p.replica.stream import RankReplica
-    from verl_p2p.trainer.exports import check_stream, stream_digest
-    from verl_p2p.trainer.hf_specs import hf_specs_from_checkpoint
-    from verl_p2p.trainer.push import PushTarget, check_push, push
-    from verl_p2p.trainer.senders import ExportStage, agree_to_export, drain, drive_export
-    from verl_p2p.trainer.verl_engine import engine_exporter, export_engine_stage, find_training_engine
-    from verl_p2p.transfer.buffers import TransferBuffers
-    from verl_p2p.transfer.mooncake import MooncakeTransport
-    from verl_p2p.transfer.writer import Writer
 
-    found = find_training_engine(actor_worker(engine))
-    exporter = engine_exporter(found)
     sources = [s for s in full_stream_sources(job.world) if s.global_rank not in (dead or [])]
-    targets = sorted(only if only is not None else job.remote_infos)
-    targets = [TargetRank(*t) if not isinstance(t, TargetRank) else t for t in targets]
+    targets = [TargetRank(*t) for t in only] if only is not None else sorted(job.remote_infos)
     plan = build_full_stream_plan(sources, targets)
-    mine = plan.targets_of(job.rank)
-    stage = ExportStage(job.rank, 0, 1, tuple(range(job.world)), tuple(plan.senders()))
-    specs = hf_specs_from_checkpoint(job.model_dir)
-    import json
-
-    cfg = json.loads((Path(job.model_dir) / "config.json").read_text())
-    push_targets, error, checked = [], None, None
-    transport = buffers = writer = None
-    try:
-        for t in mine:
-            args = job.server_args[t.engine]
-            replica = RankReplica.build(cfg, args, layout_from_server_args(args, t.rank), specs)
-            executor = CompiledReplica(replica)
-            executor.prepare_push(SLOT_BYTES)
-            push_targets.append(PushTarget(t, executor, job.remote_infos[t], plan.part_of(job.rank, t)))
-        if push_targets:
-            transport = MooncakeTransport("127.0.0.1", protocol="tcp", timeout_s=TIMEOUT_S)
-            endpoint = DiesAfter(transport, dying) if dying else transport
-            buffers = TransferBuffers(SLOT_BYTES, endpoint)
-            writer = Writer(endpoint, {t.target: t.remote for t in push_targets}, timeout_s=TIMEOUT_S, num_workers=2)
-            checked = check_push(push_targets, writer)
-            check_stream(exporter, checked, ())
-    except Exception as exc:  # agreed below, as the source session does
-        error = exc
-    digest, error = stream_digest(exporter, error)
-    out: dict[str, Any] = {"mode": exporter.mode, "parts": {str(t): plan.part_of(job.rank, t) for t in mine}}
-    try:
-        agree_to_export(job.rank, None, error, digest)
-    except Exception as exc:  # noqa: BLE001 - every rank reports the same refusal
-        out["refused"] = f"{type(exc).__name__}: {exc}"
-        return out
+    assignment = full_stream_assignment(plan, job.rank, job.world, generation, job)
+    session.apply(assignment)
+    out: dict[str, Any] = {
+        "mode": session.exporter.mode,
+        "parts": {str(t): plan.part_of(job.rank, t) for t in assignment.targets},
+    }
     seen: list[tuple[str, tuple[int, ...], Any]] = []
-    out["stream_is_manifest"] = None  # set once the stream ran: what verl yielded equals the predicted manifest
+    original = session.stream
 
-    def recorded(stream):
-        for name, tensor in stream:
+    def recorded():  # what verl streamed, beside the manifest the pre-launch checks used
+        for name, tensor in original():
             seen.append((name, tuple(tensor.shape), tensor.dtype))
             yield name, tensor
-        out["stream_is_manifest"] = seen == [(e.name, e.shape, e.dtype) for e in exporter.manifest()]
-        out["streamed"] = len(seen)
+        if assignment.targets:
+            out["stream_is_manifest"] = seen == [(e.name, e.shape, e.dtype) for e in session.exporter.manifest()]
 
-    stream = drive_export(stage, recorded(export_engine_stage(exporter, found)))
+    session.stream = recorded
     try:
-        if push_targets:
-            metrics = push(stream, push_targets, buffers, writer, checked=checked)
-            out["bytes_per_target"] = {str(t): n for t, n in metrics.bytes_per_target.items()}
-            out["peak_staged_bytes"] = metrics.peak_staged_bytes
-        else:  # no targets: the stream's gathers only (drive_export yields nothing here)
-            for _ in stream:
-                pass
-            out["bytes_per_target"] = {}
+        metrics = session.push()
+        out["bytes_per_target"] = {str(t): n for t, n in (metrics.bytes_per_target if metrics else {}).items()}
     except TransferError as exc:
-        drain(stream, exc)
         out["failed"] = f"{type(exc).__name__}: {exc}"
         out["unknown"] = [(t.engine, t.rank) for t in sorted(exc.unknown_targets)]
         out["dead"] = [job.rank]
     finally:
-        if writer is not None:
-            writer.close()
-        if buffers is not None:
-            buffers.release(settle_timeout_s=0.0)
+        del session.stream
     # every rank learns who died and what is unknown, as the driver would from the push outcomes
     gathered: list[Any] = [None] * job.world
     dist.all_gather_object(gathered, (out.get("unknown", []), out.get("dead", [])))

@@ -237,3 +237,25 @@ def test_the_fsdp_estimate_has_every_rank_send_and_convert_only_its_share_of_eac
     assert all(s.convert_bytes == 1000 and sum(n for _, n in s.links) == 2000 for s in est.sources)
     staged = estimate_sync(build_transfer_plan(full_stream_sources(4), targets), {t: {0: 4000} for t in targets}, keys)
     assert all(s.convert_bytes == 2000 for s in staged.senders)  # k senders of one target each: twice the work
+
+
+def test_a_tied_lm_head_is_not_in_the_stream_and_the_stream_matches_a_tied_rollout(tmp_path):
+    """verl's stream of a tied model carries lm_head.weight (the embedding under a second name); a tied checkpoint
+    has no such tensor, so without dropping it the pre-launch check would refuse every tied model (Qwen3-4B).
+    (That the export drops it as the manifest says: test_fsdp_source.py, whose Qwen3 is tied.)"""
+    from verl_p2p.planning.layout import layout_from_server_args
+    from verl_p2p.replica.stream import RankReplica
+    from verl_p2p.sandbox.cpu_stubs import install_cpu_stubs
+    from verl_p2p.sandbox.tiny import write_tiny_checkpoint
+    from verl_p2p.trainer.hf_specs import hf_specs_from_checkpoint
+    from verl_p2p.trainer.push import PushTarget, group_targets
+
+    install_cpu_stubs()
+    path = write_tiny_checkpoint(tmp_path / "tied", "qwen3", tie_word_embeddings=True)
+    model = _hf_model(path)
+    assert "lm_head.weight" in model.state_dict()  # what verl's get_per_tensor_param iterates
+    export = FullStreamExport(_engine(model))
+    assert "lm_head.weight" not in [e.name for e in export.manifest()]
+    cfg = json.loads((path / "config.json").read_text())
+    replica = RankReplica.build(cfg, TP1, layout_from_server_args(TP1, 0), hf_specs_from_checkpoint(path))
+    export.check_stream(group_targets([PushTarget(TargetRank(0, 0), replica, None)]))

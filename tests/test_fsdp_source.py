@@ -124,7 +124,8 @@ def model(request, tmp_path_factory):
     from verl_p2p.sandbox.tiny import write_tiny_checkpoint
 
     root = tmp_path_factory.mktemp(request.param)
-    model_dir = write_tiny_checkpoint(root / "ckpt", request.param, id_encoded=True)
+    tied = {"tie_word_embeddings": True} if request.param == "qwen3" else {}  # as Qwen3-4B: verl streams lm_head
+    model_dir = write_tiny_checkpoint(root / "ckpt", request.param, id_encoded=True, **tied)
     rollout = Rollout(model_dir, root)
     yield model_dir, rollout
     rollout.close()

@@ -95,9 +95,13 @@ class FullStreamExport:
         self._manifest: tuple[StreamEntry, ...] | None = None
 
     def export(self, *, cpu: bool = False) -> Iterator[HFTensor]:
-        """verl's own stream, tensor by tensor (nothing collected); every rank must iterate it to the end."""
+        """verl's own stream, tensor by tensor (nothing collected); every rank must iterate it to the end.
+        A tied LM head is dropped (`tied_duplicates`): verl gathers it, but it is the embedding."""
         stream, _ = self.engine.get_per_tensor_param()
+        dropped = tied_duplicates(self.engine)
         for name, tensor in stream:
+            if name in dropped:
+                continue
             yield name, (tensor.cpu() if cpu else tensor)
 
     def manifest(self) -> tuple[StreamEntry, ...]:
@@ -129,7 +133,21 @@ def predict_stream(engine: Any) -> tuple[StreamEntry, ...]:
     params = convert_weight_keys(params, _peft_model(engine))
     meta = ((n, torch.empty(tuple(t.shape), dtype=t.dtype, device="meta")) for n, t in params.items())
     model_type = getattr(engine.model_config.hf_config, "model_type", None)
-    return tuple(StreamEntry(n, tuple(t.shape), t.dtype) for n, t in unfuse_moe_params(meta, model_type))
+    dropped = tied_duplicates(engine)
+    return tuple(
+        StreamEntry(n, tuple(t.shape), t.dtype) for n, t in unfuse_moe_params(meta, model_type) if n not in dropped
+    )
+
+
+def tied_duplicates(engine: Any) -> frozenset[str]:
+    """Streamed names that are another tensor under a second name: with `tie_word_embeddings` the HF model's
+    state dict (so verl's stream) carries `lm_head.weight`, the embedding itself, which a tied checkpoint does
+    not store and SGLang's loaders skip (the rollout ties the two)."""
+    hf_config = engine.model_config.hf_config
+    tied = hf_config.get("tie_word_embeddings") if isinstance(hf_config, Mapping) else None
+    if tied is None:
+        tied = getattr(hf_config, "tie_word_embeddings", False)
+    return frozenset({"lm_head.weight"}) if tied else frozenset()
 
 
 def digest_of(entries: Iterable[StreamEntry]) -> str:

@@ -19,7 +19,7 @@ from typing import Any
 ENGINES = {0: {"tp_size": 1, "ep_size": 1, "dtype": "float32"}, 1: {"tp_size": 1, "ep_size": 1, "dtype": "float32"}}
 
 
-def _local_only_go_no_go(rank: int, ranks: Any, error: BaseException | None) -> None:
+def _local_only_go_no_go(rank: int, ranks: Any, error: BaseException | None, stream_digest: Any = None) -> None:
     """What the push did before the go/no-go existed: a rank raises its own error, the others go on."""
     if error is not None:
         raise error

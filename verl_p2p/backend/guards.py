@@ -17,6 +17,7 @@ from verl_p2p.config import P2PConfig, config_field, plain
 from verl_p2p.errors import P2PConfigError
 from verl_p2p.planning.weight_caches import env_cache_problems
 from verl_p2p.rollout.launch import mtp_problem, rollout_dp_problem, server_arg_problems
+from verl_p2p.trainer.fsdp_config import fsdp_actor_problems
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +147,7 @@ def config_problems(config: Mapping[str, Any], entry: str | None = None, guard: 
     for problem in (rollout_dp_problem(rollout), mtp_problem(rollout) or mtp_problem(model), lora_problem(model)):
         if problem is not None:
             problems.append(problem)
+    problems += fsdp_actor_problems(config, backend)  # an FSDP actor: what its full-tensor stream cannot serve
     return problems
 
 

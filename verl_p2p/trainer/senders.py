@@ -140,16 +140,20 @@ def describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-def agree_to_export(rank: int, ranks: Sequence[int] | None, error: BaseException | None) -> None:
+def agree_to_export(
+    rank: int, ranks: Sequence[int] | None, error: BaseException | None, stream_digest: str | None = None
+) -> None:
     """Go/no-go over the export group: return when every rank is ready; otherwise raise ExportAbortedError on
     every rank, naming each rank that failed and why (chained from `error` on a rank that failed itself).
 
     `ranks`: the export group (this rank's stage for a stage-local export; None for every rank). Every rank of
-    the group must call it once per sync, before its first export collective.
+    the group must call it once per sync, before its first export collective. `stream_digest`: the digest of
+    the stream this rank will iterate, where every rank of the group iterates the same one (FSDP's full-tensor
+    stream): ranks whose digest differs from the others' are refused, since their gathers would not match.
     """
     import torch.distributed as dist
 
-    mine = (rank, None if error is None else describe(error))
+    mine = (rank, None if error is None else describe(error), stream_digest)
     if not (dist.is_available() and dist.is_initialized()):
         alone = True
     else:
@@ -160,9 +164,34 @@ def agree_to_export(rank: int, ranks: Sequence[int] | None, error: BaseException
         group = export_group(ranks)
         verdicts = [None] * dist.get_world_size(group)
         dist.all_gather_object(verdicts, mine, group=group)
-    failures = {r: why for r, why in verdicts if why is not None}
+    failures = {r: why for r, why, _ in verdicts if why is not None}
+    for r, why in disagreeing_streams({r: d for r, _, d in verdicts if d is not None}).items():
+        failures.setdefault(r, why)
     if failures:
-        raise ExportAbortedError(sorted(r for r, _ in verdicts), failures) from error
+        raise ExportAbortedError(sorted(r for r, _, _ in verdicts), failures) from error
+
+
+def disagreeing_streams(digests: Mapping[int, str]) -> dict[int, str]:
+    """`{rank: why}` for every rank whose stream digest is not the group's most common one (ties: the lowest
+    rank's). Every rank iterates the stream's gathers in step, so one rank with another tensor list would
+    leave the others waiting in a gather, or gather the wrong tensors."""
+    if len(set(digests.values())) <= 1:
+        return {}
+    counts: dict[str, int] = {}
+    for d in digests.values():
+        counts[d] = counts.get(d, 0) + 1
+    first = {d: min(r for r, x in digests.items() if x == d) for d in counts}
+    common = max(counts, key=lambda d: (counts[d], -first[d]))
+    holders = sorted(r for r, d in digests.items() if d == common)
+    return {
+        r: (
+            f"StreamDisagreementError: this rank's weight stream (digest {d}) differs from ranks {holders}' "
+            f"({common}): the ranks would gather different tensors. Fix: build the actor identically on every "
+            "rank (same model path, override config, LoRA merge and QAT settings)"
+        )
+        for r, d in sorted(digests.items())
+        if d != common
+    }
 
 
 def drain(stream: Iterable[Any], error: BaseException) -> None:

@@ -44,7 +44,7 @@ class SourceSession:
 
     def __init__(self, config: P2PConfig, owner: Any, hostname: str | None = None, checkpoint_engine: Any = None):
         try:
-            from verl_p2p.trainer.verl_engine import engine_exporter, find_megatron_engine, find_owning_worker
+            from verl_p2p.trainer.verl_engine import engine_exporter, find_owning_worker, find_training_engine
         except ImportError as exc:
             raise _NO_BRIDGE(exc) from exc
         if owner is None:  # the engine was not built inside a verl worker method: find the worker holding it
@@ -53,7 +53,7 @@ class SourceSession:
             raise P2PError(f"engine_kwargs.verl_p2p.transport={config.transport!r} is not wired yet; use 'mooncake'")
         self.config = config
         self.hostname = hostname
-        self.engine = find_megatron_engine(owner)
+        self.engine = find_training_engine(owner)  # Megatron or FSDP: the export differs (trainer/exports.py)
         self.exporter = engine_exporter(self.engine, mode=config.export_mode)
         self.transport = None
         self.buffers = None
@@ -300,6 +300,7 @@ class SourceSession:
         """
         if self.assignment is None:
             raise P2PError("p2p trainer source has no plan yet: init_process_group must run before send_weights")
+        from verl_p2p.trainer.exports import stream_digest
         from verl_p2p.trainer.senders import agree_to_export, drain
 
         error, checked = self.apply_error, None
@@ -308,7 +309,8 @@ class SourceSession:
                 checked = self._check()
             except Exception as exc:  # agreed below: every rank of the group raises it
                 error = exc
-        agree_to_export(self.assignment.rank, self.export_ranks(), error)
+        digest, error = stream_digest(self.exporter, error)  # FSDP: every rank must stream the same tensors
+        agree_to_export(self.assignment.rank, self.export_ranks(), error, digest)
         stream = self.stream()
         try:
             if not self.targets:
@@ -337,16 +339,19 @@ class SourceSession:
 
     def _check(self) -> Any:
         """Everything checkable before the first write (see trainer.push.check_push); raises, writes nothing."""
+        from verl_p2p.trainer.exports import check_stream
         from verl_p2p.trainer.push import check_push
 
         fp8 = getattr(getattr(self.exporter, "bridge", None), "export_weight_dtype", None) == "fp8"
-        return check_push(
+        groups = check_push(
             self.targets,
             self.writer,
             self.share,
             streams_fp8=fp8,
             unwritten_allowed=self.config.unwritten_params_allowed,
         )
+        check_stream(self.exporter, groups, self.config.unused_hf_tensors_allowed)  # FSDP: names before a write
+        return groups
 
     def close(self) -> None:
         if self.writer is not None:

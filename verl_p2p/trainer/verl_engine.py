@@ -1,4 +1,8 @@
-"""Reach verl 0.9.1's Megatron engine from the actor worker, export its stage, and wrap its checkpoint save.
+"""Reach verl 0.9.1's training engine from the actor worker, pick its export, and wrap its checkpoint save.
+
+Two engines are sources (`trainer/exports.py`): the Megatron engine (PP-local stage export) and the FSDP / FSDP2
+engine (`FSDPEngineWithLMHead`: verl's full-tensor stream, `trainer/fsdp_export.py`). `find_training_engine`
+returns either; `engine_exporter` builds the export that fits it.
 
 Where the engine lives (verl 0.9.1, `verl/workers/engine_workers.py`):
 
@@ -8,6 +12,8 @@ Where the engine lives (verl 0.9.1, `verl/workers/engine_workers.py`):
         .engine            MegatronEngine (verl/workers/engine/megatron/transformer_impl.py)
           .module          list of Megatron model chunks (one per VPP stage)
           .bridge          megatron.bridge AutoBridge
+        .engine            or FSDPEngineWithLMHead (verl/workers/engine/fsdp/transformer_impl.py)
+          .module          the FSDP / FSDP2-wrapped HF model
 
 The worker never hands itself to the checkpoint engine: for backends other than `naive`/`delta_sharded`,
 `update_weights` calls `send_weights(per_tensor_param)` with a full-export generator, which the p2p engine
@@ -29,6 +35,7 @@ import torch
 
 from verl_p2p.errors import P2PError
 from verl_p2p.trainer.export import ExportMode, ModeChoice, StageExporter, choose_export_mode
+from verl_p2p.trainer.fsdp_export import FullStreamExport, is_fsdp_engine, refuse_export_mode
 
 ENGINE_PATH = "worker.actor.engine"
 
@@ -36,7 +43,7 @@ logger = logging.getLogger(__name__)
 
 
 class EngineAccessError(P2PError):
-    """verl's Megatron engine could not be found where verl 0.9.1 keeps it."""
+    """verl's training engine could not be found where verl 0.9.1 keeps it."""
 
 
 def _is_megatron_engine(obj: Any) -> bool:
@@ -71,6 +78,26 @@ def find_megatron_engine(worker: Any) -> Any:
     return candidate
 
 
+def find_training_engine(worker: Any) -> Any:
+    """verl's FSDP engine or Megatron engine of an actor worker, a TrainingWorker, or the engine itself; any
+    other engine is refused by `find_megatron_engine`'s error, which also names the FSDP strategies."""
+    if is_fsdp_engine(worker):
+        return worker
+    holder = getattr(worker, "actor", None) if hasattr(worker, "actor") else worker
+    candidate = getattr(holder, "engine", None)
+    if is_fsdp_engine(candidate):
+        return candidate
+    try:
+        return find_megatron_engine(worker)
+    except EngineAccessError as exc:
+        if candidate is None:
+            raise
+        raise EngineAccessError(
+            f"{exc}; or verl's FSDP engine (actor.strategy=fsdp or fsdp2, FSDPEngineWithLMHead), whose "
+            "full-tensor stream the p2p source also takes"
+        ) from None
+
+
 def find_owning_worker(checkpoint_engine: Any) -> Any:
     """The verl worker whose `checkpoint_engine` attribute is `checkpoint_engine` (a gc referrer lookup).
 
@@ -103,8 +130,12 @@ def engine_mode_choice(engine: Any) -> ModeChoice:
     return choose_export_mode(engine.module, engine.bridge)
 
 
-def engine_exporter(engine: Any, *, mode: ExportMode = "auto") -> StageExporter:
-    """A `StageExporter` over the engine's chunks and bridge; the fallback filters verl's own full export."""
+def engine_exporter(engine: Any, *, mode: ExportMode = "auto") -> StageExporter | FullStreamExport:
+    """The export of `engine`: FSDP's full-tensor stream (refusing what it cannot serve), or a `StageExporter`
+    over the Megatron engine's chunks and bridge (its fallback filters verl's own full export)."""
+    if is_fsdp_engine(engine):
+        refuse_export_mode(mode)
+        return FullStreamExport(engine)
     choice = engine_mode_choice(engine) if mode == "auto" else ModeChoice(mode, "requested explicitly")
 
     def full_export() -> Any:
@@ -114,9 +145,10 @@ def engine_exporter(engine: Any, *, mode: ExportMode = "auto") -> StageExporter:
 
 
 def export_engine_stage(
-    exporter: StageExporter, engine: Any, *, cpu: bool = False
+    exporter: StageExporter | FullStreamExport, engine: Any, *, cpu: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Run one sync's stage export; offloaded parameters are loaded to the GPU first, as verl's export does."""
+    """Run one sync's export; Megatron's offloaded parameters are loaded to the GPU first, as verl's export does
+    (FSDP's stream handles its own offload)."""
     if exporter.mode == "pp_local" and getattr(engine, "is_param_offload_enabled", False):
         from verl.utils.megatron_utils import load_megatron_model_to_gpu
 

@@ -34,7 +34,7 @@ CHECKS = {
     "grpo_check.py": SMOKE,  # summary on recorded logs (probe and fresh: test_grpo_check.py)
     "grpo_report.py": SMOKE,  # JSON and table from a recorded run (more: test_grpo_report.py)
     "measure_verify_first_push.py": SMOKE,  # --smoke: tiny model, one repeat
-    "cost_growth.py": (COVERED, "test_real_sizes.py"),  # --device cpu --width tiny: the loopback rollout
+    "cost_growth.py": HELP,  # its --device cpu --width tiny run (loopback rollout) is in tests/test_real_sizes.py
     "gpu_real_sizes.sh": SHELL,  # and its dry step in tests/test_real_sizes.py
     "gpu_e2e.sh": SHELL,
     "gpu_grpo_run.sh": SHELL,

@@ -7,16 +7,15 @@ it while entered, so SGLang builds and loads exactly the shard that rank holds. 
 stand-ins (`StandInGroup`, rank_groups.py): they answer every question about membership and refuse communication.
 
 Where that state lives depends on the release, and the adapter is chosen by what the installed SGLang offers
-(`RankStateFeatures`), not by its version string; the adapters live in rank_adapters.py. Where the parallel groups are module globals (0.5.12 ..
-0.5.20), `_GlobalsAdapter` runs SGLang's own initializers once per rank and swaps the globals they set in
-and out; from 0.5.14 part of that state (flags, resources, published config) lives in the process-wide
-`runtime_context`, which then gets a fresh context per rank, swapped in with the globals. Where the runtime
-context places ranks itself (`publish(..., ranks=SpawnRanks)`, 0.5.21 on), `_RuntimeContextAdapter` keeps
-one context per rank (`create_context`/`use_context` where they exist, else a fresh context swapped in
-around `publish`). Initializers are called with the arguments their signature in the installed release
-takes. Releases outside `TESTED_SGLANG_RANGE` are refused with the range. Neither adapter is thread-safe, so
-every entry takes one module lock (re-entrant).
-"""
+(`RankStateFeatures`), not by its version string; the adapters live in rank_adapters.py. Where the parallel groups
+are module globals (0.5.12 .. 0.5.20), `_GlobalsAdapter` runs SGLang's own initializers once per rank and swaps the
+globals they set in and out; from 0.5.14 part of that state (flags, resources, published config) lives in the
+process-wide `runtime_context`, which then gets a fresh context per rank, swapped in with the globals. Where the
+runtime context places ranks itself (`publish(..., ranks=SpawnRanks)`, 0.5.21 on), `_RuntimeContextAdapter` keeps
+one context per rank (`create_context`/`use_context` where they exist, else a fresh context swapped in around
+`publish`). Initializers are called with the arguments their signature in the installed release takes. Releases
+outside `TESTED_SGLANG_RANGE` are refused with the range. Neither adapter is thread-safe, so every entry takes one
+module lock (re-entrant). """
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ runtime context places ranks itself (`publish(..., ranks=SpawnRanks)`, 0.5.21 on
 one context per rank (`create_context`/`use_context` where they exist, else a fresh context swapped in around
 `publish`). Initializers are called with the arguments their signature in the installed release takes. Releases
 outside `TESTED_SGLANG_RANGE` are refused with the range. Neither adapter is thread-safe, so every entry takes one
-module lock (re-entrant). """
+module lock (re-entrant)."""
 
 from __future__ import annotations
 

@@ -24,16 +24,17 @@ def test_fsdp_overlay_composes_with_verls_fsdp_trainer_configs(module, name, ext
     assert cfg.actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.verl_p2p.export_mode == "auto"
 
 
-def test_the_guard_refuses_an_unmerged_lora_and_a_megatron_export_mode_for_an_fsdp_actor_before_launch():
+def test_the_guard_refuses_lora_merged_or_not_and_a_megatron_export_mode_for_an_fsdp_actor_before_launch():
     from verl_p2p.backend.guards import config_problems
 
     module, name = "verl.experimental.one_step_off_policy.main_ppo", "one_step_off_ppo_trainer"
     kwargs = "actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.verl_p2p"
     lora = compose_config(module, [f"--config-name={name}", *FSDP_OVERLAY, "actor_rollout_ref.model.lora_rank=8"])
     (problem,) = config_problems(lora, guard=True)
-    assert "lora.merge=True" in problem and "lora_rank=8" in problem
+    assert "LoRA" in problem and "lora_rank=8" in problem
     merged = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora.merge=True"]
-    assert config_problems(compose_config(module, [f"--config-name={name}", *FSDP_OVERLAY, *merged]), guard=True) == []
+    (problem,) = config_problems(compose_config(module, [f"--config-name={name}", *FSDP_OVERLAY, *merged]), guard=True)
+    assert "LoRA" in problem  # merged weights have no witness test yet: refused as well
     mode = compose_config(module, [f"--config-name={name}", *FSDP_OVERLAY, f"{kwargs}.export_mode=pp_local"])
     (problem,) = config_problems(mode, guard=True)
     assert "export_mode='pp_local'" in problem and "Megatron export" in problem

@@ -82,8 +82,8 @@ def quantize_block_fp8(
     if check and not bool(torch.isfinite(amax).all()):
         raise QuantizationError(_nonfinite_message(name, int((~torch.isfinite(x)).sum())))
     # a tensor divisor, not the Python float: CUDA torch divides by a CPU scalar as a multiply by its reciprocal,
-    # which is not the correctly rounded quotient (the eager GPU bytes differed from the CPU's for 50 of 54 H200
-    # cases); tensor / tensor is IEEE division on every device, as the Triton kernel's div_rn
+    # which is not the correctly rounded quotient (the eager GPU bytes differed from the CPU's: docs/measurements/
+    # fp8_quant_h200.json); tensor / tensor is IEEE division on every device, as the Triton kernel's div_rn
     scale = amax.clamp(min=AMAX_FLOOR) / torch.full_like(amax, FP8_E4M3_MAX)
     q = (blocks / scale[..., :, None, :, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     q = q.reshape(*lead, nb * bn, kb * bk)

@@ -3,9 +3,9 @@ write of the FP8 bytes and the scale, for a whole list of same-shaped tensors in
 
 The arithmetic is `block_fp8.quantize_block_fp8`'s, step for step (fp32 amax, the same floor, a correctly rounded
 fp32 division by the scale, the same clamp, round-to-nearest-even into e4m3fn), so the bytes are the reference's;
-`block_fp8` still checks that on its first GPU batch of each process and falls back to the reference otherwise.
-The eager torch version makes ~6 passes over the data (upcast, abs, amax, divide, clamp, cast): 66 GB/s of FP8
-bytes on an H200 (docs/measurements/bench_convert_fp8_h200_qwen3_30b_a3b_tp2ep2.json).
+`block_fp8` still checks that on the first GPU batch of each specialization and falls back to the reference
+otherwise. The eager torch version makes several passes over the data (upcast, abs, amax, divide, clamp, cast);
+its throughput beside this kernel's is in docs/measurements/bench_convert_fp8_h200_qwen3_30b_a3b_tp2ep2.json.
 """
 
 from __future__ import annotations
@@ -72,8 +72,8 @@ def quantize_list(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """T same-shaped, same-dtype CUDA tensors [N, K] -> (e4m3fn [T, N, K], fp32 scales [T, NB, KB], NaN/inf count
     per tensor [T]); one launch. The caller refuses non-finite inputs (their blocks' scales are garbage). The counts
-    are summed in the kernel: a reduction launch per batch cost 2.5 ms of host time in a 31 ms FP8 conversion on
-    the H200 (docs/measurements/bench_convert_fp8_h200_profile_s9.json)."""
+    are summed in the kernel: a reduction launch per batch was a visible share of an FP8 conversion's host time
+    (docs/measurements/bench_convert_fp8_h200_profile_s9.json)."""
     first = tensors[0]
     n, k = first.shape
     bn, bk = block

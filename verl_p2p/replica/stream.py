@@ -345,7 +345,9 @@ def _auto_inputs(config: Mapping[str, Any]) -> tuple:
     return (config.get("dtype") or config.get("torch_dtype"), config.get("model_type", ""))
 
 
-_unverified_auto: set[str] = set()  # rollout paths already warned about (once per process)
+# Rollout model paths already warned about. Process-wide on purpose: the warning is about this host (it cannot read
+# the rollout's checkpoint), the same for every session and replica of the process, so it is said once.
+_unverified_auto: set[str] = set()
 
 
 def check_auto_dtype(server_args: Mapping[str, Any], hf_config: Mapping[str, Any]) -> None:

@@ -113,7 +113,8 @@ class SourceSession:
                     f"rollout engine {target.engine} rank {target.rank}",
                 )
                 part = assignment.parts.get(target, (0, 1))
-                targets.append(PushTarget(target, self._executor(replica), assignment.rank_infos[target], part))
+                names = assignment.part_names.get(target)
+                targets.append(PushTarget(target, self._executor(replica), assignment.rank_infos[target], part, names))
             self._prepare_executors(targets)
             self._open_connections(targets)
         except Exception as exc:  # reported at push, by the go/no-go (see the docstring)

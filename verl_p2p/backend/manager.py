@@ -225,6 +225,10 @@ class P2PCheckpointEngineManager(CheckpointEngineManager):
         if not connection.partial:
             self._failed_ranks = set()
         if per_rank and self._sources is not None and len(self._sources) == len(calls):
+            idle = [(i, o) for i, o in failed if self._sources[i].rank in self._failed_ranks and not self._assigned[i]]
+            for i, error in idle:  # a re-push planned around it: it had nothing to write
+                logger.warning("p2p: trainer rank %d (excluded, idle in this re-push) failed: %s", i, first_line(error))
+            failed = [f for f in failed if f not in idle]
             self._failed_ranks |= {self._sources[i].rank for i, _ in failed}
         if not failed:
             return outcomes

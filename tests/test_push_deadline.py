@@ -83,7 +83,7 @@ def world(cluster, request):
         server.stop()
 
 
-@pytest.mark.parametrize("world", [("kill", 2, 0), ("hang", 2, 0)], indirect=True, ids=["killed", "hung"])
+@pytest.mark.parametrize("world", [(("kill", 2), 0), (("hang", 2), 0)], indirect=True, ids=["killed", "hung"])
 def test_a_rank_dying_or_hanging_in_its_export_fails_fast_and_leaves_only_its_target_unknown(world):
     manager, servers = world
     manager.update_weights(global_steps=1)

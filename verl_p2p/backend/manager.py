@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -196,7 +197,10 @@ class P2PCheckpointEngineManager(CheckpointEngineManager):
         per_rank = [r for r in results if isinstance(r, dict) and r]
         if not per_rank:
             return {}
-        return sync_metrics(per_rank, {"generation": float(self._generation)})
+        metrics = sync_metrics(per_rank, {"generation": float(self._generation)})
+        # verl's fully_async trainer drops update_weights' metrics: the log keeps every sync's figures
+        logger.info("p2p sync to version %s: %s", global_steps, json.dumps(metrics, sort_keys=True))
+        return metrics
 
     async def _source_metas(self) -> list[SourceMeta]:
         if self._sources is None:

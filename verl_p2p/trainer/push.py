@@ -25,7 +25,6 @@ from typing import Any, Protocol
 import torch
 
 from verl_p2p.errors import RemoteMismatchError, TransferError, UnsupportedLayoutError
-from verl_p2p.planning.plan import split_by_bytes
 from verl_p2p.planning.targets import RemoteRankInfo, TargetRank
 from verl_p2p.trainer.coverage import check_coverage
 from verl_p2p.trainer.fp8_stream import plan_fp8_targets, quantized_stream
@@ -82,7 +81,7 @@ class PushTarget:
     remote: RemoteRankInfo
     part: tuple[int, int] = (0, 1)
     # the part's parameter names, as the driver split the target's published parameters (`topology.check_parts`
-    # proved the senders' parts disjoint and complete); None: split here by `split_by_bytes` over this plan
+    # proved the senders' parts disjoint and complete); None: the whole target (a part needs its names)
     names: frozenset[str] | None = None
 
 
@@ -162,9 +161,11 @@ class _Group:
         self.names = targets[0].names
         if self.names is not None:  # the driver's part of the target: the stage's parameters it names
             self.params = {n: p for n, p in self.params.items() if n in self.names}
-        elif count > 1:  # this source's part of the stage's parameters
-            mine = split_by_bytes(((n, int(p.nbytes)) for n, p in self.params.items()), count)[index]
-            self.params = {n: p for n, p in self.params.items() if n in mine}
+        elif count > 1:
+            raise ValueError(
+                f"part {index + 1} of {count} of {targets[0].target} comes without its parameter names: the driver "
+                "splits a target (backend.topology.assign), never a sender on its own"
+            )
         self.stager = replica.stager()
         self.done: set[str] = set()
 

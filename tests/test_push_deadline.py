@@ -38,7 +38,12 @@ WORLD = 4
 DEADLINE_S = 6.0
 MARGIN_S = 8.0  # the driver's round trips and a busy 2-core host
 VICTIM = 2  # its target: engine 1 rank 0 (4 ranks onto 4 targets in order)
-OPTIONS = {"p2p_push_deadline_s": DEADLINE_S, "p2p_transfer_timeout": 2.0, "http_timeout": 10}
+OPTIONS = {
+    "p2p_push_deadline_s": DEADLINE_S,
+    "p2p_prepare_deadline_s": DEADLINE_S,
+    "p2p_transfer_timeout": 2.0,
+    "http_timeout": 10,
+}
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +118,19 @@ def test_the_survivors_re_push_the_dead_ranks_target(world):
     metrics = manager.update_weights(global_steps=2)  # the re-push plans around rank 2: the sync succeeds
     assert metrics["checkpoint_engine/p2p/retried_targets"] == 1.0
     assert all(s.weight_version == "2" and not s.paused and s.violations == [] for s in servers)
+
+
+@pytest.mark.parametrize("world", [(("plan", 1), 0)], indirect=True, ids=["plan_hangs"])
+def test_a_rank_hanging_in_the_plan_round_fails_the_sync_before_the_pause(world):
+    manager, servers = world
+    t0 = time.monotonic()
+    with pytest.raises(SyncError) as info:
+        manager.update_weights(global_steps=1)
+    seconds = time.monotonic() - t0
+    assert seconds < DEADLINE_S + MARGIN_S, f"the sync took {seconds:.1f} s for a deadline of {DEADLINE_S} s"
+    assert f"trainer rank {VICTIM}: LateError: trainer rank {VICTIM} did not answer within" in str(info.value)
+    for server in servers:  # failed in the prepare step, before the abort: nothing paused, nothing written
+        assert not server.paused and "pause_generation" not in server.lifecycle_calls()
 
 
 @pytest.mark.parametrize("kind", ["kill"])

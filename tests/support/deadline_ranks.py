@@ -23,7 +23,8 @@ HANG_S = 45.0  # a hung export: long past every deadline of the tests, short eno
 
 
 class ExportingSessionStandIn:
-    """Stand-in for SourceSession (see the module docstring). `fault`: (kind, push number) or None."""
+    """Stand-in for SourceSession (see the module docstring). `fault`: ("kill" | "hang", push number), ("plan",
+    assignment number) or None."""
 
     fault: tuple[str, int] | None = None
 
@@ -32,7 +33,10 @@ class ExportingSessionStandIn:
         self.pushes = 0
 
     def apply(self, assignment: Any) -> None:
+        """Where the real session builds its replicas and checks its programs: a "plan" fault hangs here."""
         self.applied.append(assignment)
+        if self.fault is not None and self.fault == ("plan", len(self.applied)):
+            time.sleep(HANG_S)
 
     def push(self) -> dict:
         self.pushes += 1

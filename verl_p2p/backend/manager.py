@@ -223,8 +223,11 @@ class P2PCheckpointEngineManager(CheckpointEngineManager):
         else (a rank that died, was late, or failed before it knew) every target of its assignment, or of the push
         where the calls are not one per rank. A re-push within this sync plans around the ranks that failed."""
         calls = list(pushes or [])
-        outcomes = await wait_each(calls, self.p2p_config.p2p_push_deadline_s)
         per_rank = len(calls) == len(self._assigned)  # one call per rank, in worker-group order
+        needed = None
+        if connection.partial and per_rank and self._sources is not None:  # not waited for: ranks planned around
+            needed = [i for i, s in enumerate(self._sources) if s.rank not in self._failed_ranks]
+        outcomes = await wait_each(calls, self.p2p_config.p2p_push_deadline_s, needed=needed)
         failed = [(i, o) for i, o in enumerate(outcomes) if isinstance(o, BaseException)]
         if not connection.partial:
             self._failed_ranks = set()

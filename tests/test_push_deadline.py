@@ -76,6 +76,7 @@ def world(cluster, request):
         remote.options(num_cpus=1, max_concurrency=1).remote(r, WORLD, options, fault if r == VICTIM else None)
         for r in range(WORLD)
     ]
+    ray.get([actor.ready.remote() for actor in actors], timeout=300)
     servers = [FakeSGLang(tp_size=2, server_args={SEED_FLAG: True, MEMORY_SAVER: False}) for _ in range(2)]
     config = CheckpointEngineConfig(backend="p2p", engine_kwargs={"p2p": options})
     group = deadline_ranks.RayActorGroupStandIn(actors)

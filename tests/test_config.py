@@ -13,6 +13,12 @@ def test_defaults_are_production():
     assert cfg.bucket_size_bytes == 512 << 20
     assert (cfg.executor, cfg.verify_first_push, cfg.staging) == ("compiled", True, "auto")
     assert cfg.p2p_push_retries == 1
+    assert (cfg.p2p_push_deadline_s, cfg.p2p_prepare_deadline_s) == (600.0, 1200.0)
+
+
+def test_the_push_deadline_must_leave_room_for_a_write_timeout():
+    with pytest.raises(P2PConfigError, match=r"p2p_push_deadline_s=30 is not above p2p_transfer_timeout=60\.0"):
+        P2PConfig.from_mapping({"p2p_push_deadline_s": 30})
 
 
 def test_unknown_key_lists_valid_keys():
@@ -39,6 +45,10 @@ def test_unknown_key_lists_valid_keys():
         ("p2p_push_retries", -1),
         ("p2p_push_retries", 1.5),
         ("p2p_push_retries", True),
+        ("p2p_push_deadline_s", 0),
+        ("p2p_push_deadline_s", "600"),
+        ("p2p_prepare_deadline_s", -5),
+        ("p2p_prepare_deadline_s", True),
     ],
 )
 def test_bad_values_name_key_and_choices(key, value):

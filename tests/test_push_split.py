@@ -3,20 +3,27 @@ target's parameters are split over k of them (`build_transfer_plan`, `split_by_b
 part concurrently over its own Mooncake endpoint.
 
 Tiny Qwen3-MoE (id-encoded float32), one engine TP2/EP2 (two receiver processes prefilled with 0xFF, NaN in
-float32), the compiled executor prepared before the push (`prepare_push`), real Mooncake tcp. Two and three
-sources per target: bit-exact against SGLang's loader, every byte once, no byte twice. One source dying
-mid-push: its target is named, re-pushed alone by the survivors, exact."""
+float32), the compiled executor prepared before the push (`prepare_push`), real Mooncake tcp. The parts are the
+driver's (`topology.assign` splits each target's published parameters and ships the names in the Assignment).
+Two and three sources per target: bit-exact against SGLang's loader, every byte once, no byte twice. One source
+dying mid-push: the manager's own outcome collection names its target, the manager's own re-plan of the re-push
+gives the dead source nothing, and the survivors' re-push is exact.
+
+Stand-ins (named as such): verl's actor worker group (a recorder of the assignments the manager sends) and the
+sync lifecycle (the manager's `_ensure_plan` reads only its `sessionless_engines`)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 
 import pytest
 import torch
 
-from verl_p2p.errors import TransferError
-from verl_p2p.planning.plan import SourceRank, build_transfer_plan
+from verl_p2p.backend.topology import Assignment, SourceMeta, assign
+from verl_p2p.errors import PushError, TransferError
+from verl_p2p.planning.layout import layout_from_server_args
 from verl_p2p.planning.targets import TargetRank
 from verl_p2p.trainer.push import PushTarget, push
 from verl_p2p.transfer.buffers import TransferBuffers
@@ -95,21 +102,32 @@ class DiesMidPush:
         self.written += sum(lengths)
 
 
-def push_all(plan, sources, transports, model, receivers):
-    """Every source of `plan` pushes its targets' parts at once (threads, one endpoint each); per-source results."""
+def driver_assignments(sources, receivers, generation=1, exclude=()) -> dict[int, Assignment]:
+    """What the driver hands the trainer ranks for these receivers (its own split of the published params)."""
+    infos = {t: receivers[t].remote_info() for t in TARGETS}
+    layouts = {t: layout_from_server_args(SERVER_ARGS, t.rank) for t in TARGETS}
+    return assign(sources, {0: SERVER_ARGS}, infos, layouts, generation, exclude=exclude)
+
+
+def writers_of(assignments, target) -> list[int]:
+    return sorted(r for r, a in assignments.items() if target in a.targets)
+
+
+def push_all(assignments, transports, model, receivers):
+    """Every source with targets pushes its parts at once (threads, one endpoint each); per-source results."""
     from verl_p2p.replica.compiled import CompiledReplica
 
     hf, replicas, _ = model
     results: dict[int, object] = {}
 
     def source(rank: int) -> None:
+        a = assignments[rank]
         mine = []
-        for t in plan.targets_of(rank):
+        for t in a.targets:
             executor = CompiledReplica(replicas[t])  # each source its own executor, prepared before the push
             executor.prepare_push(SLOT_BYTES)
-            mine.append(PushTarget(t, executor, receivers[t].remote_info(), plan.part_of(rank, t)))
-        if not mine:
-            return
+            part = a.parts.get(t, (0, 1))
+            mine.append(PushTarget(t, executor, a.rank_infos[t], part, a.part_names.get(t)))
         transport = transports[rank]
         buffers = TransferBuffers(SLOT_BYTES, transport)
         writer = Writer(transport, {t.target: t.remote for t in mine}, timeout_s=TIMEOUT_S, num_workers=2)
@@ -121,7 +139,7 @@ def push_all(plan, sources, transports, model, receivers):
             writer.close()
             buffers.release(settle_timeout_s=0.0)
 
-    threads = [threading.Thread(target=source, args=(s.global_rank,)) for s in sources]
+    threads = [threading.Thread(target=source, args=(r,)) for r, a in assignments.items() if a.targets]
     for th in threads:
         th.start()
     for th in threads:
@@ -144,13 +162,13 @@ def test_several_sources_write_disjoint_parts_of_each_rank_exactly(tmp_path, mod
     _, replicas, _ = model
     for h in receivers.values():
         h.fill()
-    sources = [SourceRank(r, 0) for r in range(per_target * len(TARGETS))]  # DP copies of one stage
-    plan = build_transfer_plan(sources, TARGETS)
-    assert plan.senders() == [s.global_rank for s in sources]
-    results = push_all(plan, sources, transports, model, receivers)
+    sources = [SourceMeta(r, 0) for r in range(per_target * len(TARGETS))]  # DP copies of one stage
+    assignments = driver_assignments(sources, receivers)
+    assert all(a.is_source for a in assignments.values())
+    results = push_all(assignments, transports, model, receivers)
     assert all(not isinstance(r, BaseException) for r in results.values()), results
     for t in TARGETS:
-        writers = plan.sources_of(t)
+        writers = writers_of(assignments, t)
         assert len(writers) == per_target
         per_source = [results[r].bytes_per_target[t] for r in writers]
         assert all(n > 0 for n in per_source), f"{t}: a source wrote nothing: {per_source}"
@@ -159,30 +177,84 @@ def test_several_sources_write_disjoint_parts_of_each_rank_exactly(tmp_path, mod
     assert_exact(tmp_path, model, receivers, f"split{per_target}")
 
 
+class AssignmentRecorder:
+    """Stand-in for verl's actor worker group: answers `prepare` as p2p trainer ranks of one stage and records
+    each `init_process_group` round's assignments (worker-group order)."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.rounds: list[list[Assignment]] = []
+
+    def execute_checkpoint_engine(self, method, **kwargs):
+        if method[0] == "prepare":
+            return [{"p2p": "trainer", "source": SourceMeta(r, 0)} for r in range(self.world_size)]
+        self.rounds.append(list(kwargs["assignment"]))
+        return [None] * self.world_size
+
+
+class LifecycleStandIn:
+    """Stand-in for the SyncLifecycle: the one question `_ensure_plan` asks it."""
+
+    def sessionless_engines(self) -> tuple[int, ...]:
+        return ()
+
+
+def connection(receivers, targets, generation, partial):
+    from verl_p2p.rollout.lifecycle import Connection
+
+    return Connection(
+        generation=generation,
+        server_infos={0: SERVER_ARGS},
+        rank_infos={t: receivers[t].remote_info() for t in targets},
+        layouts={t: layout_from_server_args(SERVER_ARGS, t.rank) for t in targets},
+        partial=partial,
+    )
+
+
 def test_a_source_dying_mid_push_leaves_only_its_target_unknown_and_the_survivors_rewrite_it(
     tmp_path, model, receivers, transports
 ):
+    """Driven through the manager's own retry path: `_ensure_plan` plans the push, `_push_outcomes` collects the
+    sources' outcomes, `_ensure_plan` of the partial connection plans the re-push (before the fix it gave the
+    dead source a part of the unknown target again)."""
+    from verl.workers.config import CheckpointEngineConfig
+
+    from verl_p2p.backend.manager import P2PCheckpointEngineManager
+
     _, replicas, _ = model
     for h in receivers.values():
         h.fill()
-    sources = [SourceRank(r, 0) for r in range(4)]  # two sources per target
-    plan = build_transfer_plan(sources, TARGETS)
+    group = AssignmentRecorder(world_size=4)  # two sources per target
+    manager = P2PCheckpointEngineManager(
+        CheckpointEngineConfig(backend="p2p", engine_kwargs={"p2p": {}}), actor_wg=group, replicas=[]
+    )
+    manager._lifecycle = LifecycleStandIn()
+    asyncio.run(manager._ensure_plan(connection(receivers, TARGETS, 1, partial=False), in_pause=False))
+    first = {a.rank: a for a in group.rounds[-1]}
     dead = 1
+    assert first[dead].targets == (TargetRank(0, 1),) and first[dead].parts[TargetRank(0, 1)][1] == 2
     dying = DiesMidPush(transports[dead])
     endpoints = list(transports)
     endpoints[dead] = dying
-    results = push_all(plan, sources, endpoints, model, receivers)
+    results = push_all(first, endpoints, model, receivers)
     assert dying.written > 0, "the source died before writing anything: not mid-push"
-    error = results[dead]
-    assert isinstance(error, TransferError) and set(error.unknown_targets) == {TargetRank(0, 1)}
-    assert plan.left_unknown([dead]) == [TargetRank(0, 1)]  # named from the plan too (a vanished process)
     assert all(not isinstance(results[r], BaseException) for r in (0, 2, 3))
+
+    async def outcome(rank):
+        if isinstance(results[rank], BaseException):
+            raise results[rank]
+        return {}
+
+    with pytest.raises(PushError) as info:
+        asyncio.run(manager._push_outcomes([outcome(r) for r in range(4)], connection(receivers, TARGETS, 1, False)))
+    assert set(info.value.unknown_targets) == {TargetRank(0, 1)} and "trainer rank 1" in str(info.value)
     untouched = receivers[TargetRank(0, 0)].digest()
 
-    survivors = [s for s in sources if s.global_rank != dead]
-    retry = build_transfer_plan(survivors, plan.left_unknown([dead]))  # only the unknown target, re-split
-    assert {t for s in survivors for t in retry.targets_of(s.global_rank)} == {TargetRank(0, 1)}
-    again = push_all(retry, survivors, transports, model, receivers)
+    asyncio.run(manager._ensure_plan(connection(receivers, [TargetRank(0, 1)], 2, partial=True), in_pause=True))
+    retry = {a.rank: a for a in group.rounds[-1]}
+    assert retry[dead].targets == (), f"the re-push gives the failed source {retry[dead].targets} again"
+    assert writers_of(retry, TargetRank(0, 1)) == [0, 2, 3]  # the survivors split the unknown target
+    again = push_all(retry, transports, model, receivers)
     assert all(not isinstance(r, BaseException) for r in again.values()), again
     assert sum(r.bytes_per_target[TargetRank(0, 1)] for r in again.values()) == replicas[TargetRank(0, 1)].plan.nbytes
     assert receivers[TargetRank(0, 0)].digest() == untouched  # the finished target was not rewritten

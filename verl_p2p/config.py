@@ -37,6 +37,8 @@ class P2PConfig:
     hostname: str | None = None  # address the rollout reaches this source at; None: the node IP
     p2p_transfer_num_workers: int = 8  # write threads per source (at most one per target engine is used)
     p2p_transfer_timeout: float = 60.0  # seconds one target's write may take before the push fails
+    p2p_push_deadline_s: float = 600.0  # seconds a trainer rank's push (export + writes) may take; late: failed
+    p2p_prepare_deadline_s: float = 1200.0  # seconds a trainer rank's prepare / plan round may take; late: failed
     p2p_push_retries: int = 1  # re-pushes of failed targets within one sync (rank info re-read first); 0: none
     bucket_size_mb: int = 512  # one transfer-buffer slot; two slots per source
     pause_mode: str = "abort"
@@ -97,7 +99,7 @@ class P2PConfig:
         retries = self.p2p_push_retries
         if not isinstance(retries, int) or isinstance(retries, bool) or retries < 0:
             errors.append(f"p2p_push_retries={retries!r} (a non-negative integer)")
-        for key in ("p2p_transfer_timeout", "http_timeout"):
+        for key in ("p2p_transfer_timeout", "http_timeout", "p2p_push_deadline_s", "p2p_prepare_deadline_s"):
             value = getattr(self, key)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
                 errors.append(f"{key}={value!r} (a positive number of seconds)")
@@ -109,6 +111,14 @@ class P2PConfig:
         ):
             if not isinstance(getattr(self, key), bool):
                 errors.append(f"{key}={getattr(self, key)!r} (true or false)")
+        deadline, transfer = self.p2p_push_deadline_s, self.p2p_transfer_timeout
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (deadline, transfer)) and (
+            deadline <= transfer
+        ):
+            errors.append(
+                f"p2p_push_deadline_s={deadline!r} is not above p2p_transfer_timeout={transfer!r} (a push waits for "
+                "its writes up to the transfer timeout: the push deadline must leave room for it and the export)"
+            )
         if self.staging == "gpu" and self.protocol == "tcp":
             errors.append(
                 "staging='gpu' with protocol='tcp' (Mooncake's tcp path stages GPU memory through the host: GPU -> "

@@ -74,6 +74,18 @@ def unknown_targets_of(error: BaseException) -> frozenset | None:
     return None
 
 
+def first_line(error: BaseException, limit: int = 300) -> str:
+    """The first line of an error's message (its type's name when empty), cut at `limit` characters: what a
+    summary naming several failures shows of each."""
+    text = str(error).strip().splitlines()
+    return (text[0] if text else type(error).__name__)[:limit]
+
+
+class LateError(P2PError, TimeoutError):
+    """A trainer rank did not answer a driver round within its deadline (`p2p_push_deadline_s`,
+    `p2p_prepare_deadline_s`): hung in its export's collectives, or unreachable. Its call may still be running."""
+
+
 class MalformedAnswerError(P2PError, ValueError):
     """A rollout server's answer (server info, rank info) lacks the documented shape or holds impossible values."""
 

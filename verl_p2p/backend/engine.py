@@ -53,7 +53,7 @@ from verl_p2p.backend.roles import (
 )
 from verl_p2p.backend.topology import DRIVER_CACHE, Assignment, EngineMeta, SourceMeta
 from verl_p2p.config import P2PConfig
-from verl_p2p.errors import P2PError, PushError, unknown_targets_of
+from verl_p2p.errors import P2PError, PushError, first_line, unknown_targets_of
 
 logger = logging.getLogger(__name__)
 
@@ -183,8 +183,25 @@ class P2PCheckpointEngine(CheckpointEngine):
             mine = p2p_metrics.as_dict(self._session.push())
         except Exception as exc:  # every rank must reach the gather below, or the others wait forever
             error = exc
-        text = None if error is None else _outcome(error, self.trainer.rank)
-        outcomes = self._gather((self.trainer.rank, mine, text, self._unknown_after(error)))
+        rank = self.trainer.rank
+        text = None if error is None else _outcome(error, rank)
+        if self._assignment is not None and self._assignment.driver_collects:  # the manager combines the ranks
+            if error is not None:
+                raise PushError(
+                    f"p2p push to version {global_steps} failed on trainer rank {rank}: {text}",
+                    unknown_targets=self._unknown_after(error),
+                ) from error
+            return mine
+        try:
+            outcomes = self._gather((rank, mine, text, self._unknown_after(error)))
+        except Exception as exc:  # a peer died or is late: this rank knows its own outcome only
+            raise PushError(
+                f"p2p push to version {global_steps}: trainer rank {rank} could not exchange push outcomes with the "
+                f"other trainer ranks within p2p_push_deadline_s={self.config.p2p_push_deadline_s:g} s (a peer died "
+                f"or hangs: {first_line(exc)}); its own push "
+                + (f"failed: {text}" if error is not None else "completed, every target written"),
+                unknown_targets=self._unknown_after(error),
+            ) from (error or exc)
         failed = [(rank, why) for rank, _, why, _ in outcomes if why]
         if failed:
             text = "; ".join(f"trainer rank {rank}: {why}" for rank, why in failed)
@@ -231,7 +248,7 @@ class P2PCheckpointEngine(CheckpointEngine):
         if assignment.rank != self.trainer.rank:
             raise P2PError(f"assignment for trainer rank {assignment.rank} delivered to rank {self.trainer.rank}")
         if self._metrics_group is None:
-            self._metrics_group = _new_gather_group()
+            self._metrics_group = _new_gather_group(self.config.p2p_push_deadline_s)
         if self._session is None:
             from verl_p2p.trainer.source import SourceSession
 
@@ -387,13 +404,17 @@ def build_topology(
     return actor_kwargs, rollout_kwargs
 
 
-def _new_gather_group() -> Any:
-    """A gloo group over all trainer ranks for the per-sync outcome exchange (None when not distributed)."""
+def _new_gather_group(timeout_s: float) -> Any:
+    """A gloo group over all trainer ranks for the per-sync outcome exchange (None when not distributed). Its
+    `timeout_s` (the push deadline) bounds how long a rank that finished waits there for a dead or hung peer,
+    instead of torch's default 30 minutes."""
+    import datetime
+
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None
-    return dist.new_group(backend="gloo")
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def _server_url(replica_rank: int) -> str:

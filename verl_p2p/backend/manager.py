@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import inspect
+import json
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -30,10 +30,11 @@ from verl.checkpoint_engine.base import CheckpointEngineManager
 from verl.utils.ray_utils import auto_await
 
 from verl_p2p.backend import plugin
-from verl_p2p.backend.metrics import PREFIX
+from verl_p2p.backend.metrics import PREFIX, sync_metrics
 from verl_p2p.backend.topology import SourceMeta, assign
+from verl_p2p.backend.waiting import failed_ranks_text, wait_each
 from verl_p2p.config import P2PConfig
-from verl_p2p.errors import P2PConfigError, P2PError, PushError, unknown_targets_of
+from verl_p2p.errors import P2PConfigError, P2PError, PushError, first_line, unknown_targets_of
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,8 @@ class P2PCheckpointEngineManager(CheckpointEngineManager):
         self._sources: list[SourceMeta] | None = None
         self._plan_key: tuple | None = None
         self._assigned: list[tuple] = []  # per trainer rank (worker-group order): the targets it writes
+        # trainer ranks (global rank) whose push failed, died or was late in this sync: a re-push plans around them
+        self._failed_ranks: set[int] = set()
         self._generation = 0
         self.trainer_rounds = 0  # Ray rounds to the trainer other than the per-sync push (for tests and logs)
 
@@ -130,13 +133,16 @@ class P2PCheckpointEngineManager(CheckpointEngineManager):
         await self._ensure_plan(connection, in_pause=False)
 
     async def _ensure_plan(self, connection: Any, in_pause: bool) -> None:
-        """Plan `connection` and hand out the assignments unless the trainer holds that plan already."""
+        """Plan `connection` and hand out the assignments unless the trainer holds that plan already. A re-push
+        (a partial connection) plans around the trainer ranks whose push failed: they get idle assignments (they
+        still run the export, which is collective), and only the other ranks' answers are waited for."""
         sources = await self._source_metas()
         # engines whose begin answered 404 (no weight-update sessions): the trainer refuses models needing post-load
         # (before the first begin: what the server's release says, so that the begin's answer changes nothing)
         sessionless = self._lifecycle.sessionless_engines()
+        excluded = frozenset(self._failed_ranks) if connection.partial else frozenset()
         # a re-push is a plan of its own
-        key = (connection.generation, tuple(connection.targets), tuple(sources), sessionless)
+        key = (connection.generation, tuple(connection.targets), tuple(sources), sessionless, excluded)
         if key == self._plan_key:
             return
         if in_pause and not connection.partial:
@@ -154,36 +160,60 @@ class P2PCheckpointEngineManager(CheckpointEngineManager):
             connection.layouts,
             self._generation,
             sessionless,
+            exclude=excluded,
         )
-        if in_pause:  # the rollout is paused: the trainer must not open connections by a read first
-            assignments = {rank: dataclasses.replace(a, warm_up=False) for rank, a in assignments.items()}
-        await self._on_trainer(
-            self.actor_wg.execute_checkpoint_engine(
-                method=["init_process_group"] * len(sources), assignment=[assignments[s.rank] for s in sources]
-            )
+        # every rank reports its own outcome to this driver: no outcome exchange between the ranks to wait on;
+        # inside the pause (a re-push's plan, or one the pause changed) no connection is opened by a read first
+        ordered = [
+            dataclasses.replace(assignments[s.rank], driver_collects=True, warm_up=not in_pause) for s in sources
+        ]
+        needed = [i for i, s in enumerate(sources) if s.rank not in excluded]
+        calls = self.actor_wg.execute_checkpoint_engine(
+            method=["init_process_group"] * len(sources), assignment=ordered
         )
+        outcomes = await wait_each(calls, self.p2p_config.p2p_prepare_deadline_s, needed=needed)
         self.trainer_rounds += 1
+        failed = [(i, o) for i, o in enumerate(outcomes) if isinstance(o, BaseException)]
+        for i, error in failed:
+            if i not in needed:
+                logger.warning("p2p: excluded trainer rank %d did not take its idle assignment: %s", i, error)
+        failed = [(i, o) for i, o in failed if i in needed]
+        if failed:
+            self._plan_key = None
+            raise P2PError(
+                f"p2p plan generation {self._generation}: init_process_group failed on " + failed_ranks_text(failed)
+            ) from failed[0][1]
         self._plan_key = key
-        self._assigned = [tuple(assignments[s.rank].targets) for s in sources]
+        self._assigned = [tuple(a.targets) for a in ordered]
 
     async def _push(self, connection: Any, global_steps: int | None) -> dict:
         """The lifecycle's push step: every trainer rank exports and writes (a re-push's partial plan, or one the
-        pause changed, is handed out first)."""
+        pause changed, is handed out first); each reports its own outcome and metrics, combined here."""
         await self._ensure_plan(connection, in_pause=True)
         pushes = self.actor_wg.update_weights(global_steps=global_steps, mode=self.backend)
         stamps = [s.set_global_steps.remote(global_steps) for r in self.replicas for s in getattr(r, "servers", [])]
-        results, _ = await asyncio.gather(self._push_outcomes(pushes, connection), self._on_trainer(stamps))
-        metrics: dict = {}
-        for result in results:
-            if isinstance(result, dict):
-                metrics.update(result)
+        results, stamped = await asyncio.gather(
+            self._push_outcomes(pushes, connection), wait_each(stamps, self.p2p_config.p2p_push_deadline_s)
+        )
+        for error in (o for o in stamped if isinstance(o, BaseException)):
+            raise P2PError(f"p2p: verl's set_global_steps stamp failed: {first_line(error)}") from error
+        per_rank = [r for r in results if isinstance(r, dict) and r]
+        if not per_rank:
+            return {}
+        metrics = sync_metrics(per_rank, {"generation": float(self._generation)})
+        # verl's fully_async trainer drops update_weights' metrics: the log keeps every sync's figures
+        logger.info("p2p sync to version %s: %s", global_steps, json.dumps(metrics, sort_keys=True))
         return metrics
 
     async def _source_metas(self) -> list[SourceMeta]:
         if self._sources is None:
             world = self.actor_wg.world_size
-            answers = await self._on_trainer(self.actor_wg.execute_checkpoint_engine(["prepare"] * world))
+            calls = self.actor_wg.execute_checkpoint_engine(["prepare"] * world)
+            answers = await wait_each(calls, self.p2p_config.p2p_prepare_deadline_s)
             self.trainer_rounds += 1
+            failed = [(i, a) for i, a in enumerate(answers) if isinstance(a, BaseException)]
+            if failed:
+                raise P2PError("p2p prepare failed on " + failed_ranks_text(failed)) from failed[0][1]
             wrong = [i for i, a in enumerate(answers) if not isinstance(a, dict) or a.get("p2p") != "trainer"]
             if wrong:
                 raise P2PError(f"actor rank(s) {wrong} are not p2p trainer engines (backend mismatch?)")
@@ -191,18 +221,27 @@ class P2PCheckpointEngineManager(CheckpointEngineManager):
         return self._sources
 
     async def _push_outcomes(self, pushes: Any, connection: Any) -> list[Any]:
-        """Every trainer rank's push result; when ranks failed, one PushError naming each of them and the targets it
-        left unknown: those its error names, else (a rank that died, or failed before it knew) every target of its
-        assignment, or of the push where the calls are not one per rank. Ray alone would raise the first error
-        only, which for a dead rank names no target."""
-        from verl_p2p.rollout.lifecycle import _first_line
-
+        """Every trainer rank's push result, each waited for at most `p2p_push_deadline_s`; when ranks failed, died
+        or were late, one PushError naming each of them and the targets it left unknown: those its error names,
+        else (a rank that died, was late, or failed before it knew) every target of its assignment, or of the push
+        where the calls are not one per rank. A re-push within this sync plans around the ranks that failed."""
         calls = list(pushes or [])
-        outcomes = await _each(calls)
+        per_rank = len(calls) == len(self._assigned)  # one call per rank, in worker-group order
+        needed = None
+        if connection.partial and per_rank and self._sources is not None:  # not waited for: ranks planned around
+            needed = [i for i, s in enumerate(self._sources) if s.rank not in self._failed_ranks]
+        outcomes = await wait_each(calls, self.p2p_config.p2p_push_deadline_s, needed=needed)
         failed = [(i, o) for i, o in enumerate(outcomes) if isinstance(o, BaseException)]
+        if not connection.partial:
+            self._failed_ranks = set()
+        if per_rank and self._sources is not None and len(self._sources) == len(calls):
+            idle = [(i, o) for i, o in failed if self._sources[i].rank in self._failed_ranks and not self._assigned[i]]
+            for i, error in idle:  # a re-push planned around it: it had nothing to write
+                logger.warning("p2p: trainer rank %d (excluded, idle in this re-push) failed: %s", i, first_line(error))
+            failed = [f for f in failed if f not in idle]
+            self._failed_ranks |= {self._sources[i].rank for i, _ in failed}
         if not failed:
             return outcomes
-        per_rank = len(calls) == len(self._assigned)  # one call per rank, in worker-group order
         unknown: set | None = set()
         lines = []
         for i, error in failed:
@@ -211,51 +250,12 @@ class P2PCheckpointEngineManager(CheckpointEngineManager):
                 named = frozenset(self._assigned[i])
             who = f"trainer rank {i}" if per_rank else "the trainer"
             left = ", ".join(str(t) for t in sorted(named, key=str)) if named is not None else "all (not known)"
-            lines.append(f"{who}: {type(error).__name__}: {_first_line(error)} (targets left unknown: {left})")
+            lines.append(f"{who}: {type(error).__name__}: {first_line(error)} (targets left unknown: {left})")
             unknown = None if named is None or unknown is None else unknown | set(named)
         if unknown is None:  # said explicitly: the chain below may name fewer targets than were left unknown
             unknown = set(connection.targets)
         raise PushError("p2p push failed on " + "; ".join(lines), unknown_targets=unknown) from failed[0][1]
 
-    @staticmethod
-    async def _on_trainer(calls: Any) -> list[Any]:
-        """Results of worker-group calls: Ray ObjectRefs (waited for off the event loop) or plain values."""
-        calls = list(calls or [])
-        if not calls:
-            return []
-        import ray
-
-        if all(isinstance(c, ray.ObjectRef) for c in calls):
-            return await asyncio.to_thread(ray.get, calls)
-        return list(await asyncio.gather(*(c if inspect.isawaitable(c) else _value(c) for c in calls)))
-
     def close(self) -> None:
         if self._lifecycle is not None:
             self._lifecycle.close()
-
-
-async def _value(value: Any) -> Any:
-    return value
-
-
-async def _each(calls: list[Any]) -> list[Any]:
-    """Each call's value or exception, all of them waited for (Ray ObjectRefs off the event loop)."""
-    if not calls:
-        return []
-    import ray
-
-    if all(isinstance(c, ray.ObjectRef) for c in calls):
-
-        def get_each() -> list[Any]:
-            out = []
-            for ref in calls:
-                try:
-                    out.append(ray.get(ref))
-                except Exception as exc:  # noqa: BLE001 - each rank's outcome is reported
-                    out.append(exc)
-            return out
-
-        return await asyncio.to_thread(get_each)
-    return list(
-        await asyncio.gather(*(c if inspect.isawaitable(c) else _value(c) for c in calls), return_exceptions=True)
-    )

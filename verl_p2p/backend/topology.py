@@ -14,7 +14,7 @@ from typing import Any
 
 from verl_p2p.errors import P2PError
 from verl_p2p.planning.layout import RankLayout, layout_from_server_args
-from verl_p2p.planning.plan import SourceRank, build_transfer_plan
+from verl_p2p.planning.plan import SourceRank, build_transfer_plan, split_by_bytes
 from verl_p2p.planning.targets import RemoteRankInfo, TargetRank
 
 # server args that change the bytes a rank holds, beside its layout
@@ -72,6 +72,12 @@ class Assignment:
     # whether the trainer may open its targets' connections at apply, by a read: False for a plan handed out inside
     # the pause (a re-push's, or one the pause changed), where the read would only delay the writes
     warm_up: bool = True
+    # target -> the names of that part: computed once, on the driver, from the target's published parameters, so
+    # every sender of the target writes a part of the same split (`check_parts`); absent: all of them
+    part_names: Mapping[TargetRank, frozenset[str]] = field(default_factory=dict, repr=False)
+    # the driver waits for each rank's own outcome (the manager path): the ranks exchange no outcomes, so a dead
+    # or hung peer cannot hold a rank that finished; False: verl's manager, which sees rank 0's answer only
+    driver_collects: bool = False
 
     @property
     def is_source(self) -> bool:
@@ -97,10 +103,13 @@ def assign(
     layouts: Mapping[TargetRank, RankLayout],
     generation: int,
     sessionless: Iterable[int] = (),
+    exclude: Iterable[int] = (),
 ) -> dict[int, Assignment]:
     """Plan every target onto its sources per PP stage (one, or several each writing a part when the stage has
     more ranks than targets); every trainer rank gets an Assignment (maybe idle).
-    `sessionless`: engines whose servers answered that they have no weight-update sessions."""
+    `sessionless`: engines whose servers answered that they have no weight-update sessions.
+    `exclude`: trainer ranks that must not send (their last push failed or they died): they get idle assignments
+    (the export is collective, they still run it); a stage left without a sender is refused."""
     sizes = {s.pp_size for s in sources}
     if len(sizes) > 1:
         raise P2PError(f"trainer ranks disagree on the pipeline size: {sorted(sizes)}")
@@ -112,7 +121,16 @@ def assign(
         raise P2PError(f"no layout for rollout target(s) {missing[:4]}")
     targets = sorted(rank_infos)
     keys = {t: layout_key(server_infos[t.engine], layouts[t]) for t in targets}
-    plan = build_transfer_plan([SourceRank(s.rank, s.pp_stage) for s in sources], targets, keys)
+    exclude = frozenset(exclude)
+    senders = [s for s in sources if s.rank not in exclude]
+    orphaned = sorted({s.pp_stage for s in sources} - {s.pp_stage for s in senders})
+    if targets and orphaned:
+        raise P2PError(
+            f"no trainer rank of pipeline stage(s) {orphaned} can send: every one of them is excluded (failed or "
+            f"died: {sorted(exclude)}); restart the trainer ranks, or the job"
+        )
+    plan = build_transfer_plan([SourceRank(s.rank, s.pp_stage) for s in senders], targets, keys)
+    names = _part_names(plan, rank_infos)
     stage_ranks: dict[int, list[int]] = {}
     for s in sorted(sources, key=lambda s: s.rank):
         stage_ranks.setdefault(s.pp_stage, []).append(s.rank)
@@ -134,8 +152,54 @@ def assign(
             server_infos={e: server_infos[e] for e in sorted({t.engine for t in mine})},
             sessionless_engines=frozenset(t.engine for t in mine) & sessionless,
             parts={t: plan.part_of(source.rank, t) for t in mine if plan.part_of(source.rank, t)[1] > 1},
+            part_names={t: names[(source.rank, t)] for t in mine if (source.rank, t) in names},
         )
+    check_parts(result, rank_infos)
     return result
+
+
+def _part_names(plan: Any, rank_infos: Mapping[TargetRank, RemoteRankInfo]) -> dict[tuple[int, TargetRank], frozenset]:
+    """(sender, target) -> the published parameter names of its part, for every split target: one
+    `split_by_bytes` per target over what the target published, whatever the senders' own plans say."""
+    splits: dict[tuple[TargetRank, int], list[frozenset[str]]] = {}
+    out = {}
+    for (rank, target), (index, count) in plan.parts.items():
+        key = (target, count)
+        if key not in splits:
+            sizes = ((name, p.nbytes) for name, p in rank_infos[target].params.items())
+            splits[key] = split_by_bytes(sizes, count)
+        out[(rank, target)] = splits[key][index]
+    return out
+
+
+def check_parts(assignments: Mapping[int, Assignment], rank_infos: Mapping[TargetRank, RemoteRankInfo]) -> None:
+    """Refuse assignments whose parts of a target, per pipeline stage, are not exactly its published parameters:
+    disjoint, and together complete. Runs on the driver before any assignment is sent."""
+    shared: dict[tuple[TargetRank, int], list[tuple[int, frozenset[str]]]] = {}
+    for a in assignments.values():
+        for target, names in a.part_names.items():
+            shared.setdefault((target, a.pp_stage), []).append((a.rank, names))
+        for target in set(a.parts) - set(a.part_names):
+            raise P2PError(f"trainer rank {a.rank} writes part {a.parts[target]} of {target} without its names")
+    problems = []
+    for (target, stage), parts in sorted(shared.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
+        published = set(rank_infos[target].params)
+        seen: dict[str, int] = {}
+        for rank, names in parts:
+            twice = sorted(n for n in names if n in seen)
+            if twice:
+                problems.append(f"{target} stage {stage}: ranks {seen[twice[0]]} and {rank} both write {twice[:3]}")
+            seen.update(dict.fromkeys(names, rank))
+        missing, stray = sorted(published - set(seen)), sorted(set(seen) - published)
+        if missing:
+            problems.append(f"{target} stage {stage}: no sender writes {missing[:3]} ({len(missing)} in all)")
+        if stray:
+            problems.append(f"{target} stage {stage}: parts name unpublished parameters {stray[:3]}")
+    if problems:
+        raise P2PError(
+            "the senders' parts of a rollout rank do not cover its published parameters exactly (a bug in the "
+            "split, or assignments changed after planning): " + "; ".join(problems)
+        )
 
 
 @dataclass

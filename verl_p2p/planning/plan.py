@@ -10,7 +10,8 @@ When the stage has more source ranks than targets (data-parallel copies of a sta
 gather every rank of the stage holds its bytes), each target's parameters are split over
 `k = sources // targets` of them (`split`): source `i` writes part `i // targets` of `k` of target
 `i % targets`, so every NIC sends. A part is a fixed set of parameter names (`split_by_bytes`: balanced by
-bytes, the same on every process), so the parts of a target are disjoint and together are all of it.
+bytes), computed once on the driver from what the target published and carried in each sender's assignment
+(`backend/topology.py`, which checks the parts disjoint and complete), so no sender's own plan decides it.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ before anything is loaded from it (`stream_checks.refusal`).
 
 from __future__ import annotations
 
+import fnmatch
 import time
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
@@ -23,8 +24,7 @@ from typing import Any, Protocol
 
 import torch
 
-from verl_p2p.errors import TransferError, UnsupportedLayoutError
-from verl_p2p.planning.plan import split_by_bytes
+from verl_p2p.errors import RemoteMismatchError, TransferError, UnsupportedLayoutError
 from verl_p2p.planning.targets import RemoteRankInfo, TargetRank
 from verl_p2p.trainer.coverage import check_coverage
 from verl_p2p.trainer.fp8_stream import plan_fp8_targets, quantized_stream
@@ -74,12 +74,15 @@ class ReplicaLike(Protocol):
 class PushTarget:
     """One rollout rank this source writes to, the replica producing its bytes, and what it published.
     `part` (index, count): this source writes only that part of the rank's parameters (`split_by_bytes`);
-    the other parts come from other sources holding the same bytes."""
+    the other parts come from other sources holding the same bytes. `names`: that part's parameters."""
 
     target: TargetRank
     replica: ReplicaLike
     remote: RemoteRankInfo
     part: tuple[int, int] = (0, 1)
+    # the part's parameter names, as the driver split the target's published parameters (`topology.check_parts`
+    # proved the senders' parts disjoint and complete); None: the whole target (a part needs its names)
+    names: frozenset[str] | None = None
 
 
 @dataclass
@@ -155,9 +158,14 @@ class _Group:
         params: Mapping[str, ParamPlanLike] = replica.plan.params
         self.params = share.select(params) if share is not None else params
         index, count = targets[0].part
-        if count > 1:  # this source's part of the stage's parameters
-            mine = split_by_bytes(((n, int(p.nbytes)) for n, p in self.params.items()), count)[index]
-            self.params = {n: p for n, p in self.params.items() if n in mine}
+        self.names = targets[0].names
+        if self.names is not None:  # the driver's part of the target: the stage's parameters it names
+            self.params = {n: p for n, p in self.params.items() if n in self.names}
+        elif count > 1:
+            raise ValueError(
+                f"part {index + 1} of {count} of {targets[0].target} comes without its parameter names: the driver "
+                "splits a target (backend.topology.assign), never a sender on its own"
+            )
         self.stager = replica.stager()
         self.done: set[str] = set()
 
@@ -317,7 +325,7 @@ def group_targets(targets: Sequence[PushTarget], share: StageShare | None = None
     """One group per distinct replica key and part (first replica of a key is used for all its targets)."""
     by_key: dict[Hashable, list[PushTarget]] = {}
     for t in targets:
-        by_key.setdefault((t.replica.key, t.part), []).append(t)
+        by_key.setdefault((t.replica.key, t.part, t.names), []).append(t)
     seen = set()
     for t in targets:
         if t.target in seen:
@@ -347,6 +355,8 @@ def check_push(
                 f"{t.target}: the writer was built for other targets/sessions; build it from these targets"
             )
     groups = group_targets(targets, share)
+    for g in groups:
+        check_part_names(g, unwritten_allowed)
     writer.validate(expected_params(groups))
     check_coverage(  # against the whole rank's plan: with PP > 1 the stages' shares together write it
         {g.describe(): (g.targets[0].remote.params, [*g.replica.plan.params, *g.replica.plan.local]) for g in groups},
@@ -356,6 +366,25 @@ def check_push(
         for g in groups:
             check_fp8_export(_planned_specs([g]), [n for p in g.params.values() for n in p.feeds], g.describe())
     return groups
+
+
+def check_part_names(group: _Group, unwritten_allowed: Sequence[str] = ()) -> None:
+    """Refuse a driver-given part naming parameters this rank's plan does not know (neither written nor local):
+    the driver split what the target published, so the senders' plans diverge (another SGLang, another cached
+    plan) and a parameter would be written by nobody while every sender reports success."""
+    if group.names is None:
+        return
+    plan = group.replica.plan
+    known = set(plan.params) | set(getattr(plan, "local", ()) or ())
+    stray = sorted(
+        n for n in group.names if n not in known and not any(fnmatch.fnmatchcase(n, p) for p in unwritten_allowed)
+    )
+    if stray:
+        raise RemoteMismatchError(
+            f"{group.describe()}: the driver's part names {len(stray)} parameter(s) this trainer rank's write plan "
+            f"lacks ({stray[:5]}): the senders' plans of this rollout rank diverge; check every trainer node runs "
+            "the same SGLang release and clear plan_cache_dir"
+        )
 
 
 def _planned_specs(groups: Sequence[_Group]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -402,8 +431,12 @@ def push(
     buffers.begin()
     metrics.slot_bytes = buffers.slot_bytes_total
     pusher = _Pusher(buffers, writer, metrics, flush_bytes or max(ALIGN, buffers.slot_bytes // 8), load_threads)
+    # a sender of a part takes only its part's inputs: the others' tensors are dropped unread and unquantized
+    needed = _part_feeds(groups)
     if planned:  # FP8 rollouts: quantize (the targets are the plans', kept across syncs)
         targets = plan_fp8_targets(g.replica.plan for g in groups)
+        if needed is not None:
+            targets = {name: scale for name, scale in targets.items() if name in needed}
         stream = iter(quantized_stream(hf_stream, planned, targets=targets))
     else:
         stream = iter(hf_stream)
@@ -420,6 +453,8 @@ def push(
             if item is None:
                 break
             hf_name, tensor = item
+            if needed is not None and hf_name not in needed and (hf_name in planned or not planned):  # others' part
+                continue
             if planned:
                 refused = refusal(planned, hf_name, tensor, allowed_unused)
                 if refused is not None:
@@ -457,6 +492,14 @@ def push(
     if failed:
         raise push_error(failed)
     return metrics
+
+
+def _part_feeds(groups: Sequence[_Group]) -> set[str] | None:
+    """The HF names this source's parameters are fed by, when every group writes a part of its targets (several
+    senders share them); None otherwise (a whole-target sender takes the stage's every tensor)."""
+    if not groups or any(g.names is None and g.targets[0].part[1] == 1 for g in groups):
+        return None
+    return {f for g in groups for p in g.params.values() for f in p.feeds}
 
 
 def _check_complete(groups: Sequence[_Group], failed: Sequence[TargetFailure] = ()) -> None:

@@ -114,7 +114,8 @@ class SourceSession:
                     f"rollout engine {target.engine} rank {target.rank}",
                 )
                 part = assignment.parts.get(target, (0, 1))
-                targets.append(PushTarget(target, self._executor(replica), assignment.rank_infos[target], part))
+                names = assignment.part_names.get(target)
+                targets.append(PushTarget(target, self._executor(replica), assignment.rank_infos[target], part, names))
             self._prepare_executors(targets)
             if assignment.warm_up:  # never inside the pause (a re-push's plan): it would only delay the writes
                 self._open_connections(targets)

@@ -133,12 +133,14 @@ def constructed() -> dict:
 def test_construction_is_cheap(constructed):
     # no transport, replica, export, HTTP client or heavy package was imported (they were forbidden), no thread
     # started; the only modules construction may add are the small guards module (rank 0's hybrid warning) and the
-    # server-args checks it uses
+    # server-args checks and the FSDP actor's config refusals (pure config reads) it uses
     light = {
         "verl_p2p.backend.guards",
         "verl_p2p.rollout",
         "verl_p2p.rollout.launch",
         "verl_p2p.rollout.post_processing",
+        "verl_p2p.trainer",
+        "verl_p2p.trainer.fsdp_config",
     }
     assert set(constructed["new_modules"]) <= light, constructed["new_modules"]
     assert constructed["new_threads"] == 0

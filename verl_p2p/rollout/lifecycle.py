@@ -53,13 +53,14 @@ from collections.abc import Iterable
 from typing import Any
 
 from verl_p2p.config import P2PConfig
+from verl_p2p.errors import first_line
 from verl_p2p.planning.targets import TargetRank
 from verl_p2p.rollout.adapter import P2PReplicaAdapter
 from verl_p2p.rollout.checker import WeightUpdateChecker
 from verl_p2p.rollout.client import RankAnswer
 from verl_p2p.rollout.connect_steps import ConnectSteps
 from verl_p2p.rollout.repush_steps import RepushSteps
-from verl_p2p.rollout.sync_run import Stop, SyncRun, first_line
+from verl_p2p.rollout.sync_run import Stop, SyncRun
 from verl_p2p.rollout.sync_types import (
     Connection,
     Prepare,
@@ -81,7 +82,6 @@ __all__ = [
     "SyncReport",
 ]
 
-_first_line = first_line  # kept importable under its old name (backend/manager.py)
 
 logger = logging.getLogger(__name__)
 

@@ -8,11 +8,12 @@ import dataclasses
 import logging
 import time
 
+from verl_p2p.errors import first_line
 from verl_p2p.planning.targets import TargetRank
 from verl_p2p.rollout.adapter import P2PReplicaAdapter
 from verl_p2p.rollout.client import RolloutCallError
 from verl_p2p.rollout.connect_steps import sessions_changed
-from verl_p2p.rollout.sync_run import SyncRun, first_line, unknown_after
+from verl_p2p.rollout.sync_run import SyncRun, unknown_after
 from verl_p2p.rollout.sync_types import Connection, Push, ReplicaFailure
 
 logger = logging.getLogger("verl_p2p.rollout.lifecycle")  # one logger for the sync's steps, as before the split

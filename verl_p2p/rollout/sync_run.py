@@ -8,7 +8,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from verl_p2p.errors import unknown_targets_of
+from verl_p2p.errors import first_line, unknown_targets_of
 from verl_p2p.planning.targets import TargetRank
 from verl_p2p.rollout.adapter import P2PReplicaAdapter
 from verl_p2p.rollout.sync_types import Connection, ReplicaFailure
@@ -86,8 +86,3 @@ def unknown_after(error: BaseException, connection: Connection) -> set[TargetRan
     pushed = set(connection.targets)
     named = {t for t in unknown_targets_of(error) or () if t in pushed}
     return named or pushed
-
-
-def first_line(error: BaseException, limit: int = 300) -> str:
-    text = str(error).strip().splitlines()
-    return (text[0] if text else type(error).__name__)[:limit]

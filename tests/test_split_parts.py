@@ -152,3 +152,27 @@ def test_an_fp8_sender_of_a_part_quantizes_only_its_part(monkeypatch):
         assert metrics.bytes_per_target[TARGET] == sum(sizes[n] for n in part)
     finally:
         stop_all(handles.values())
+
+
+def test_fsdp_ranks_each_get_a_driver_computed_part_of_every_target_and_a_dead_one_none():
+    """FSDP ranks (`full_stream`) all send: the driver plans each onto a part of every target, not the
+    `ranks // targets` senders a Megatron stage gets; a rank the re-push excludes gets nothing and the others
+    share the target; FSDP and Megatron ranks in one trainer are refused."""
+    targets = [TargetRank(0, 0), TargetRank(0, 1)]
+    infos = {t: published() for t in targets}
+    layouts = {t: layout_from_server_args({**SERVER_ARGS, "tp_size": 2}, t.rank) for t in targets}
+    args = {0: {**SERVER_ARGS, "tp_size": 2}}
+    sources = [SourceMeta(r, 0, full_stream=True) for r in range(4)]
+    assignments = assign(sources, args, infos, layouts, generation=1)
+    for t in targets:
+        parts = [assignments[r].part_names[t] for r in range(4)]
+        assert [assignments[r].parts[t] for r in range(4)] == [(i, 4) for i in range(4)]
+        assert set().union(*parts) == set(NAMES) and sum(map(len, parts)) == len(NAMES)
+
+    again = assign(sources, args, infos, layouts, generation=2, exclude={2})
+    assert again[2].targets == ()
+    assert {again[r].parts[targets[0]] for r in (0, 1, 3)} == {(0, 3), (1, 3), (2, 3)}
+
+    mixed = [*sources[:3], SourceMeta(3, 0)]
+    with pytest.raises(P2PError, match="disagree on their export"):
+        assign(mixed, args, infos, layouts, generation=3)

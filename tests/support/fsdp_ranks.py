@@ -158,25 +158,18 @@ def _run(job: RankJob) -> None:
         dist.destroy_process_group()
 
 
-def full_stream_assignment(plan: Any, rank: int, world: int, generation: int, job: RankJob) -> Any:
-    """This rank's Assignment of a full-stream plan (what the driver's `assign` would send it)."""
-    from verl_p2p.backend.topology import Assignment
+def full_stream_assignment(
+    rank: int, world: int, generation: int, job: RankJob, targets: list, dead: list | None = None
+) -> Any:
+    """This rank's Assignment from the driver's own `assign` (FSDP sources: `full_stream=True`), with the dead
+    ranks excluded as the manager's re-push excludes them."""
+    from verl_p2p.backend.topology import SourceMeta, assign
     from verl_p2p.planning.layout import layout_from_server_args
 
-    mine = plan.targets_of(rank)
-    return Assignment(
-        generation=generation,
-        rank=rank,
-        pp_stage=0,
-        pp_size=1,
-        stage_ranks=tuple(range(world)),
-        stage_senders=tuple(r for r in range(world) if plan.targets_of(r)),
-        targets=mine,
-        rank_infos={t: job.remote_infos[t] for t in mine},
-        layouts={t: layout_from_server_args(job.server_args[t.engine], t.rank) for t in mine},
-        server_infos={e: job.server_args[e] for e in sorted({t.engine for t in mine})},
-        parts={t: plan.part_of(rank, t) for t in mine if plan.part_of(rank, t)[1] > 1},
-    )
+    sources = [SourceMeta(r, 0, 1, generation - 1, full_stream=True) for r in range(world)]
+    infos = {t: job.remote_infos[t] for t in targets}
+    layouts = {t: layout_from_server_args(job.server_args[t.engine], t.rank) for t in targets}
+    return assign(sources, job.server_args, infos, layouts, generation, exclude=dead or ())[rank]
 
 
 def _sync(job: RankJob, session: Any, generation: int, only: list | None = None, dead: list | None = None) -> dict:
@@ -189,8 +182,9 @@ def _sync(job: RankJob, session: Any, generation: int, only: list | None = None,
 
     sources = [s for s in full_stream_sources(job.world) if s.global_rank not in (dead or [])]
     targets = [TargetRank(*t) for t in only] if only is not None else sorted(job.remote_infos)
-    plan = build_full_stream_plan(sources, targets)
-    assignment = full_stream_assignment(plan, job.rank, job.world, generation, job)
+    plan = build_full_stream_plan(sources, targets)  # what the driver plans: read for the parts' indices below
+    assignment = full_stream_assignment(job.rank, job.world, generation, job, targets, dead)
+    assert set(assignment.targets) == set(plan.targets_of(job.rank)), (assignment.targets, plan.targets_of(job.rank))
     session.apply(assignment)
     out: dict[str, Any] = {
         "mode": session.exporter.mode,

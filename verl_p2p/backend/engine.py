@@ -103,6 +103,7 @@ class P2PCheckpointEngine(CheckpointEngine):
         self._metrics_group: Any = None
         # rollout
         self._rollout: RolloutIdentity | None = None
+        self._full_stream: bool | None = None
         self._adapter: Any = None  # rollout.adapter.P2PReplicaAdapter, leader only
         self._checker: Any = None
         self._published: EngineMeta | None = None
@@ -132,6 +133,19 @@ class P2PCheckpointEngine(CheckpointEngine):
             return Role.TRAINER_SOURCE if self._assignment.is_source else Role.TRAINER_IDLE
         return self.rollout.role
 
+    def _streams_whole_model(self) -> bool:
+        """Whether this trainer rank's engine is verl's FSDP engine (every rank streams the whole model), read once
+        from the owner worker; the driver plans such ranks each onto a part of every target."""
+        if self._full_stream is None:
+            from verl_p2p.trainer.fsdp_export import is_fsdp_engine
+            from verl_p2p.trainer.verl_engine import EngineAccessError, find_training_engine
+
+            try:  # no engine found: a Megatron-style rank here; the source session names the problem at apply
+                self._full_stream = self.owner is not None and is_fsdp_engine(find_training_engine(self.owner))
+            except EngineAccessError:
+                self._full_stream = False
+        return self._full_stream
+
     @property
     def rollout(self) -> RolloutIdentity:
         if self._rollout is None:
@@ -150,7 +164,8 @@ class P2PCheckpointEngine(CheckpointEngine):
         if self.side is Side.TRAINER:
             me = self.trainer
             generation = self._assignment.generation if self._assignment else 0
-            return {"p2p": TRAINER, "source": SourceMeta(me.rank, me.pp_stage, me.pp_size, generation)}
+            source = SourceMeta(me.rank, me.pp_stage, me.pp_size, generation, full_stream=self._streams_whole_model())
+            return {"p2p": TRAINER, "source": source}
         if self.rollout.role is Role.ROLLOUT_FOLLOWER:
             return {"p2p": FOLLOWER, "engine": self.rollout.replica_rank}
         return {"p2p": LEADER, "engine": run_sync(self._leader_prepare())}

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from verl_p2p.errors import P2PError
+from verl_p2p.planning.fsdp import build_full_stream_plan
 from verl_p2p.planning.layout import RankLayout, layout_from_server_args
 from verl_p2p.planning.plan import SourceRank, build_transfer_plan, split_by_bytes
 from verl_p2p.planning.targets import RemoteRankInfo, TargetRank
@@ -37,6 +38,9 @@ class SourceMeta:
     pp_stage: int
     pp_size: int = 1
     generation: int = 0
+    # the rank streams the whole model (verl's FSDP engine): every rank sends a part of every target
+    # (`planning.fsdp`); False: a Megatron rank exporting its pipeline stage
+    full_stream: bool = False
 
 
 @dataclass(frozen=True)
@@ -129,7 +133,13 @@ def assign(
             f"no trainer rank of pipeline stage(s) {orphaned} can send: every one of them is excluded (failed or "
             f"died: {sorted(exclude)}); restart the trainer ranks, or the job"
         )
-    plan = build_transfer_plan([SourceRank(s.rank, s.pp_stage) for s in senders], targets, keys)
+    modes = {s.full_stream for s in sources}
+    if len(modes) > 1:
+        raise P2PError("trainer ranks disagree on their export: some stream the whole model (FSDP), some a stage")
+    if True in modes:  # every rank holds every tensor in turn: each sends its part of every target
+        plan = build_full_stream_plan([SourceRank(s.rank, 0) for s in senders], targets)
+    else:
+        plan = build_transfer_plan([SourceRank(s.rank, s.pp_stage) for s in senders], targets, keys)
     names = _part_names(plan, rank_infos)
     stage_ranks: dict[int, list[int]] = {}
     for s in sorted(sources, key=lambda s: s.rank):
@@ -276,6 +286,8 @@ class TopologyCache:
             self._key, self.assignments = None, {}
 
 
+# One per driver process, on purpose: verl's stock manager calls `build_topology` as a classmethod every sync,
+# with no instance to own a cache; `reset()` clears it (a new trainer, or a test)
 DRIVER_CACHE = TopologyCache()
 
 

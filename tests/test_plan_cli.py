@@ -272,3 +272,20 @@ def test_rollout_layouts_that_keep_the_dense_mlp_and_shared_expert_whole(tmp_pat
         "moe_dense_tp_size": 1,
         "SGLANG_SHARED_EXPERT_TP1": True,
     }
+
+
+def test_plan_an_fsdp_trainer_every_rank_sends_a_part_of_every_target(tiny_model, tmp_path, capsys):
+    """`--trainer fsdp=N`: every FSDP rank streams the whole model, so each writes its byte-balanced part of every
+    target (N x targets links); the parts of a target add up to its bytes, and every rank sends."""
+    path, cfg = tiny_model
+    argv = ["plan", "--model", str(path), "--trainer", "fsdp=4", "--rollout", "tp=2,ep=2x2"]
+    argv += ["--plan-cache-dir", str(tmp_path / "plans"), "--json"]
+    assert cli_main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    whole = sum(_hand_count_per_stage(cfg, tp=2, ep=2).values())  # every layer, one stage
+    links = {(x["source"], x["engine"], x["rank"]): x["bytes"] for x in out["links"]}
+    assert {s for s, _, _ in links} == {0, 1, 2, 3} and len(links) == 4 * 4
+    for engine, rank in ((0, 0), (0, 1), (1, 0), (1, 1)):
+        assert sum(links[(s, engine, rank)] for s in range(4)) == whole
+    assert out["senders"] == 4 and out["trainer"]["layout"] == "fsdp=4"
+    assert cli_main(["plan", "--model", str(path), "--trainer", "fsdp=4,tp=2", "--rollout", "tp=2"]) == 2

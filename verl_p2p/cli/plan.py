@@ -20,6 +20,7 @@ from verl_p2p.cli import USAGE_ERROR
 from verl_p2p.cli.plan_table import HEADER, source_lines
 from verl_p2p.cli.quiet import run_quietly
 from verl_p2p.errors import P2PError
+from verl_p2p.planning.fsdp import build_full_stream_plan
 from verl_p2p.planning.hf_names import hf_tensor_specs
 from verl_p2p.planning.layout import layout_from_server_args
 from verl_p2p.planning.layout_rules import check_layouts
@@ -42,7 +43,7 @@ from verl_p2p.planning.sync_estimate import (
 )
 from verl_p2p.planning.targets import TargetRank
 
-TRAINER_KEYS = ("tp", "pp", "ep", "dp")
+TRAINER_KEYS = ("tp", "pp", "ep", "dp", "fsdp")
 ROLLOUT_KEYS = ("tp", "ep", "dp_attn", "moe_dense_tp", "shared_tp")
 
 
@@ -170,7 +171,7 @@ class Planner:
         server_args = rollout_server_args(rollout, dtype=str(self.cfg.get("torch_dtype") or "bfloat16"))
         if not _has_cuda():  # some model classes (yarn rope) ask the device; the plan's bytes do not depend on it
             server_args["device"] = "cpu"
-        sources = trainer_sources(trainer)
+        sources = trainer_sources(trainer)  # an FSDP trainer: every rank, one stage (it streams the whole model)
         layers = int(self.cfg["num_hidden_layers"])
         named, keys = {}, {}
         for r in range(rollout.tp):
@@ -181,7 +182,10 @@ class Planner:
         per_rank = {r: {s: sum(n for _, n in ps) for s, ps in by.items()} for r, by in named.items()}
         targets = [TargetRank(e, r) for e in range(rollout.engines) for r in range(rollout.tp)]
         layout_keys = {t: keys[t.rank] for t in targets}
-        transfer = build_transfer_plan(sources, targets, layout_keys, split=split)
+        if trainer.fsdp is not None and split:  # every FSDP rank writes its part of every target
+            transfer = build_full_stream_plan(sources, targets)
+        else:
+            transfer = build_transfer_plan(sources, targets, layout_keys, split=split)
         parts: dict[tuple[int, int, int], list[int]] = {}
 
         def part_bytes(t: TargetRank, stage: int, index: int, count: int) -> int:
@@ -353,7 +357,10 @@ def build_parser() -> argparse.ArgumentParser:
         "published layouts.",
     )
     parser.add_argument("--model", help=f"config.json, checkpoint dir, or a card: {', '.join(MODEL_CARDS)}")
-    parser.add_argument("--trainer", help="trainer layout, e.g. tp=4,pp=2,ep=8 (optional dp=)")
+    parser.add_argument(
+        "--trainer",
+        help="trainer layout: tp=4,pp=2,ep=8 (optional dp=) for Megatron, or fsdp=N for an FSDP trainer of N ranks",
+    )
     parser.add_argument(
         "--rollout",
         help="rollout layout and replicas, e.g. tp=8,ep=8,dp_attn=8x4; moe_dense_tp=1 (--moe-dense-tp-size 1) and "

@@ -56,8 +56,11 @@ class Parallelism:
     moe_dense_tp: int | None = None  # rollout dense MLP TP size (SGLang --moe-dense-tp-size; 1 or unset)
     shared_tp: int | None = None  # rollout shared-expert TP size (1: SGLANG_SHARED_EXPERT_TP1=1; or unset)
     engines: int = 1  # rollout replicas
+    fsdp: int | None = None  # an FSDP trainer of this many ranks: each streams the whole model (`planning.fsdp`)
 
     def describe(self) -> str:
+        if self.fsdp is not None:
+            return f"fsdp={self.fsdp}"
         parts = [f"tp={self.tp}"]
         if self.pp != 1:
             parts.append(f"pp={self.pp}")
@@ -71,6 +74,8 @@ class Parallelism:
 
     @property
     def trainer_dp(self) -> int:
+        if self.fsdp is not None:
+            return self.fsdp
         return self.dp if self.dp is not None else math.lcm(self.tp, self.ep) // self.tp
 
     @property
@@ -98,6 +103,8 @@ def parse_parallelism(text: str, allowed: Sequence[str]) -> Parallelism:
 
 
 def check_trainer(par: Parallelism) -> None:
+    if par.fsdp is not None and (par.tp, par.pp, par.ep, par.dp) != (1, 1, 1, None):
+        raise ValueError(f"trainer fsdp={par.fsdp} stands alone: an FSDP trainer has no tp, pp, ep or dp to give")
     dp = par.trainer_dp
     if (par.tp * dp) % par.ep:
         raise ValueError(f"trainer ep={par.ep} does not divide the {par.tp * dp} ranks of a stage (tp x dp)")

@@ -13,7 +13,7 @@
 #
 # The e2e's `--size real` is verl_p2p/e2e/real_sizes.py's REAL_SIZES, registered here when run.py lacks it.
 # An FP8 run writes four checkpoints (bf16 + FP8 of both weight sets): weight set 1 goes to $SHM (host memory)
-# through a symlink the e2e's mkdir keeps, since the disk does not hold all four (real_sizes.md, "Disk").
+# through a symlink the e2e's mkdir keeps, since the disk does not hold all four (docs/measurements/real_sizes.md, "Disk").
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"

@@ -14,7 +14,7 @@ version. fully_async logs no sync figures in its training steps (the rollouter's
 plot shows these, by version, and its report carries verl's per-step partial-rollout counts (`fully_async`).
 
 Usage: grpo_report.py RUN_DIR [RUN_DIR ...] --names a,b --command "..." [--command ...] --out-dir docs/measurements
-       [--device-seconds N ...] [--table T.md] [--png P.png] [--require-goals]
+       [--device-seconds N ...] [--table TABLE] [--png P.png] [--require-goals]
        grpo_report.py REPORT.json [...] --from-reports --out-dir DIR [--table ...] [--png ...]   (reports on file)
 """
 

@@ -124,13 +124,13 @@ def test_learning_runs_are_judged_by_issue_34s_goals(tmp_path):
     flat = write_run(tmp_path / "ctl", [0.001] * steps, paused=False, backend="control", rewards=[0.05] * steps)
     out = tmp_path / "out"
     args = [str(p2p), str(moon), str(flat), "--names", "p2p,mooncake,control", "--out-dir", str(out)]
-    assert grpo_report.main([*args, "--table", "t.md", "--png", "learn.png", "--require-goals"]) == 0
+    assert grpo_report.main([*args, "--table", "table.txt", "--png", "learn.png", "--require-goals"]) == 0
     rep = json.loads((out / "p2p.json").read_text())
     assert rep["reward"] == {"steps": 60, "first10_mean": pytest.approx(0.14), "last10_mean": 0.9}
     assert rep["validation"]["start"] == {"step": 0, "metrics": {"val-core/x": 0.0}}
     assert rep["validation"]["end"] == {"step": 60, "metrics": {"val-core/x": 0.95}}
     assert json.loads((out / "control.json").read_text())["backend"] == "control"
-    table = (out / "t.md").read_text()
+    table = (out / "table.txt").read_text()
     assert "| p2p learns | last-10 mean >= 0.5 and >= 3 x first-10 mean |" in table
     assert "| control stays flat |" in table and "| control's trainer moves |" in table and "FAIL" not in table
     assert "| p2p | verl_p2p | 60 | 0.140 | 0.900 | x 0.000 -> 0.950 (steps 0, 60) |" in table
@@ -139,10 +139,10 @@ def test_learning_runs_are_judged_by_issue_34s_goals(tmp_path):
     # a control whose reward rises (the rollout learned without the sync) fails the run's goals
     rises = write_run(tmp_path / "ctl2", [0.001] * steps, paused=False, backend="control", rewards=rising)
     args = [str(p2p), str(moon), str(rises), "--names", "p2p,mooncake,control", "--out-dir", str(tmp_path / "o2")]
-    assert grpo_report.main([*args, "--table", "t.md", "--require-goals"]) == 1
+    assert grpo_report.main([*args, "--table", "table.txt", "--require-goals"]) == 1
     assert (
         "| control stays flat | |last-10 - first-10| <= 0.05 | 0.140 -> 0.900 | FAIL |"
-        in (tmp_path / "o2" / "t.md").read_text()
+        in (tmp_path / "o2" / "table.txt").read_text()
     )
 
 
@@ -185,9 +185,9 @@ def test_the_committed_qwen3_4b_table_is_what_its_jsons_give(tmp_path):
     docs = ROOT / "docs" / "measurements"
     names = ["grpo_h200_one_step_off_qwen3_4b_p2p", "grpo_h200_one_step_off_qwen3_4b_mooncake"]
     reports = [str(docs / f"{n}.json") for n in names]
-    assert grpo_report.main([*reports, "--from-reports", "--out-dir", str(tmp_path), "--table", "t.md"]) == 0
+    assert grpo_report.main([*reports, "--from-reports", "--out-dir", str(tmp_path), "--table", "table.txt"]) == 0
     for name in names:  # already in the current form: regenerating changes nothing
         assert json.loads((tmp_path / f"{name}.json").read_text()) == json.loads((docs / f"{name}.json").read_text())
-    table = (tmp_path / "t.md").read_text()
-    assert table in (docs / "grpo_h200_one_step_off_qwen3_4b_p2p_vs_mooncake.md").read_text()
+    table = (tmp_path / "table.txt").read_text()
+    assert table in (ROOT / "docs/measurements/grpo_h200_one_step_off_qwen3_4b_p2p_vs_mooncake.md").read_text()
     assert "| 1 | 0.885 | not recorded | 0.882 | 2392810496 | 9.449 | - | - | - |" in table

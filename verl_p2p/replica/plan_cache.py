@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 _CAPTURE_CODE = (
     "plan.py",
     "plan_checks.py",
+    "plan_types.py",
     "plan_cache.py",
     "rank_context.py",
     "rank_adapters.py",

@@ -7,15 +7,12 @@ Kept apart from the capture (`plan.py`): these read a finished plan and never to
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
 from verl_p2p.errors import UnsupportedLayoutError
 from verl_p2p.replica.derived import DERIVATIONS, known_not_rebuilt, unexplained
-
-if TYPE_CHECKING:
-    from verl_p2p.replica.plan import RecordedWrite, WritePlan
+from verl_p2p.replica.plan_types import RecordedWrite, WritePlan
 
 
 class WritePlanError(UnsupportedLayoutError):

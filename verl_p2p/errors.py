@@ -93,3 +93,8 @@ class MalformedAnswerError(P2PError, ValueError):
 class QuantizationError(P2PError, ValueError):
     """A tensor the rollout stores as FP8 cannot be quantized (NaN/inf, wrong rank or dtype), or a checkpoint's
     quantization is one the trainer's quantizer cannot reproduce byte for byte."""
+
+
+class ReplicaLoadError(P2PError):
+    """A load request the replica cannot serve as asked (wrong buffer, missing or misshaped feeds, a plan made for
+    another floating type)."""

@@ -49,6 +49,7 @@ _CAPTURE_CODE = (
     "rank_adapters.py",
     "rank_groups.py",
     "stream.py",
+    "dtype_checks.py",
     "fp8.py",  # the rank's quant config
 )
 # environment prefixes SGLang reads (at import and while building a model): e.g. SGLANG_USE_CPU_ENGINE pads the

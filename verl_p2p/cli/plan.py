@@ -17,7 +17,15 @@ from pathlib import Path
 from typing import Any
 
 from verl_p2p.cli import USAGE_ERROR
-from verl_p2p.cli.plan_table import HEADER, source_lines
+from verl_p2p.cli.plan_report import (
+    assumptions_text,
+    estimate_json,
+    gb_text,
+    print_estimate,
+    published_line,
+    rollout_text,
+    without_split_json,
+)
 from verl_p2p.cli.quiet import run_quietly
 from verl_p2p.errors import P2PError
 from verl_p2p.planning.fsdp import build_full_stream_plan
@@ -26,12 +34,9 @@ from verl_p2p.planning.layout import layout_from_server_args
 from verl_p2p.planning.layout_rules import check_layouts
 from verl_p2p.planning.model_cards import MODEL_CARDS, PublishedSync, card_name_of, model_card, published_for
 from verl_p2p.planning.plan import SourceRank, build_transfer_plan, split_by_bytes
-from verl_p2p.planning.shared_experts import SHARED_TP1
 from verl_p2p.planning.sync_estimate import (
     DEFAULT_CONVERT_GBPS,
-    DEFAULT_CONVERT_SOURCE,
     DEFAULT_FP8_CONVERT_GBPS,
-    DEFAULT_FP8_CONVERT_SOURCE,
     DEFAULT_NIC_GBITS,
     Parallelism,
     SyncEstimate,
@@ -142,7 +147,7 @@ class Planner:
             planned = plan_rank(self.cfg, server_args, layout, self.specs, self.cache)
             seconds = time.perf_counter() - t0
             how = "from the plan cache" if planned.from_cache else "captured"
-            self._log(f"  rollout rank {rank} of {_rollout_text(server_args)}: plan {how} in {seconds:.2f} s")
+            self._log(f"  rollout rank {rank} of {rollout_text(server_args)}: plan {how} in {seconds:.2f} s")
             self.captures.append(
                 {"rank": rank, "server_args": server_args, "seconds": seconds, "cached": planned.from_cache}
             )
@@ -212,138 +217,6 @@ def _has_cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
-
-
-def _rollout_text(server_args: dict) -> str:
-    text = f"tp={server_args['tp_size']},ep={server_args['ep_size']}"
-    text += f",dp_attn={server_args['dp_size']}" if server_args.get("enable_dp_attention") else ""
-    text += ",moe_dense_tp=1" if server_args.get("moe_dense_tp_size") == 1 else ""
-    return text + (",shared_tp=1" if server_args.get(SHARED_TP1) else "")
-
-
-def _gb(n: int) -> str:
-    """Bytes for people: GB (1e9) from 0.1 GB up, else MB or kB."""
-    if n >= 1e8:
-        return f"{n / 1e9:.2f}GB"
-    return f"{n / 1e6:.2f}MB" if n >= 1e5 else f"{n / 1e3:.1f}kB"
-
-
-def estimate_json(est: SyncEstimate, trainer: Parallelism, rollout: Parallelism) -> dict:
-    return {
-        "trainer": {
-            "layout": trainer.describe(),
-            "tp": trainer.tp,
-            "pp": trainer.pp,
-            "ep": trainer.ep,
-            "dp": trainer.trainer_dp,
-            "ranks": trainer.trainer_ranks,
-        },
-        "rollout": {
-            "layout": rollout.describe(),
-            "tp": rollout.tp,
-            "ep": rollout.ep,
-            "dp_attn": rollout.dp_attn,
-            "moe_dense_tp": rollout.moe_dense_tp,
-            "shared_tp": rollout.shared_tp,
-            "engines": rollout.engines,
-        },
-        "target_bytes": {f"e{t.engine}r{t.rank}": n for t, n in sorted(est.target_bytes.items())},
-        "links": [
-            {
-                "source": s.rank,
-                "pp_stage": s.pp_stage,
-                "engine": t.engine,
-                "rank": t.rank,
-                "bytes": n,
-                **({"part": [i + 1, k]} if k > 1 else {}),
-            }
-            for s in est.sources
-            for (t, n), (i, k) in zip(s.links, s.parts or [(0, 1)] * len(s.links), strict=True)
-        ],
-        "sources": [
-            {
-                "rank": s.rank,
-                "pp_stage": s.pp_stage,
-                "targets": [f"e{t.engine}r{t.rank}" for t, _ in s.links],
-                "parts": [f"{i + 1}/{k}" for i, k in s.parts] if any(k > 1 for _, k in s.parts) else None,
-                "wire_bytes": s.wire_bytes,
-                "convert_bytes": s.convert_bytes,
-                "wire_s": s.wire_s,
-                "convert_s": s.convert_s,
-                "predicted_s": s.predicted_s,
-            }
-            for s in est.sources
-        ],
-        "total_bytes": est.total_bytes,
-        "senders": len(est.senders),
-        "slowest_source": est.slowest.rank,
-        "send_floor_s": est.send_floor_s,
-        "receive_floor_s": est.receive_floor_s,
-        "wire_floor_s": est.wire_floor_s,
-        "bound": est.bound,
-        "predicted_s": est.predicted_s,
-    }
-
-
-def without_split_json(est: SyncEstimate) -> dict:
-    """The same layouts with one source per target and stage (idle ranks), beside the split's figures."""
-    return {
-        "senders_without_split": len(est.senders),
-        "wire_floor_without_split_s": est.wire_floor_s,
-        "predicted_without_split_s": est.predicted_s,
-    }
-
-
-def _print_estimate(
-    est: SyncEstimate, trainer: Parallelism, rollout: Parallelism, unsplit: SyncEstimate | None = None
-) -> None:
-    print(
-        f"trainer {trainer.describe()}: {trainer.trainer_ranks} ranks (dp={trainer.trainer_dp}), "
-        f"{trainer.trainer_ranks // trainer.pp} sources per stage"
-    )
-    print(f"rollout {rollout.describe()}: {rollout.engines * rollout.tp} target ranks")
-    sizes = sorted(set(est.target_bytes.values()))
-    print(f"bytes per target rank (from the write plans): {', '.join(_gb(n) for n in sizes)}")
-    print(HEADER)
-    for line in source_lines(est.sources, _gb):
-        print(line)
-    slow = est.slowest
-    print(
-        f"slowest source {slow.rank} (stage {slow.pp_stage}): {_gb(slow.wire_bytes)} -> send floor "
-        f"{est.send_floor_s:.3f} s at {est.nic_gbits:g} Gb/s; largest target {_gb(max(sizes))} -> receive floor "
-        f"{est.receive_floor_s:.3f} s at {est.receive_gbits:g} Gb/s; predicted sync "
-        f"{est.predicted_s:.3f} s ({est.bound}-bound)"
-    )
-    if unsplit is not None:
-        print(
-            f"{len(est.senders)} of {len(est.sources)} sources send; without the split (one source per target and "
-            f"stage) {len(unsplit.senders)} would: predicted {unsplit.predicted_s:.3f} s"
-        )
-
-
-def _assumptions(
-    nic_gbits: float,
-    convert_gbps: float,
-    convert_given: bool,
-    slot_bytes: int,
-    fp8: bool,
-    rollout_nic: float,
-) -> dict:
-    measured = DEFAULT_FP8_CONVERT_SOURCE if fp8 else DEFAULT_CONVERT_SOURCE
-    source = "given with --convert-gbps" if convert_given else measured
-    return {
-        "nic": f"one {nic_gbits:g} Gb/s NIC per trainer GPU ({nic_gbits / 8:g} GB/s)",
-        "rollout_nic": f"one {rollout_nic:g} Gb/s NIC per rollout GPU ({rollout_nic / 8:g} GB/s): a target rank's "
-        "bytes arrive through it however many sources split them",
-        "convert": f"{convert_gbps:g} GB/s of rollout bytes produced per source ({source})",
-        "pipeline": f"two transfer slots of {slot_bytes >> 20} MB: predicted = max(max(convert, wire) + one "
-        "slot, the largest target's receive time)",
-        "not_counted": "the trainer's HF export (Megatron all-gathers) and the rollout's pause/resume calls",
-    }
-
-
-def _published_line(p: PublishedSync) -> str:
-    return f"{p.system}: {p.figure()} ({p.setting})"
 
 
 EXAMPLE = "verl-p2p plan --model qwen3-30b-a3b --trainer tp=4,ep=8 --rollout tp=8,ep=8x4"
@@ -473,9 +346,8 @@ def _cache_text(cache: Any) -> str:
         return "plan cache: off (--plan-cache-dir '')"
     files = [f for f in cache.directory.glob("plan-*.json") if f.is_file()] if cache.directory.is_dir() else []
     size = sum(f.stat().st_size for f in files)
-    return (
-        f"plan cache: {cache.directory} ({len(files)} plans, {_gb(size)}; --plan-cache-dir moves it, '' turns it off)"
-    )
+    moves = "--plan-cache-dir moves it, '' turns it off"
+    return f"plan cache: {cache.directory} ({len(files)} plans, {gb_text(size)}; {moves})"
 
 
 def _run(args: argparse.Namespace, request: PlanRequest) -> int:
@@ -495,7 +367,9 @@ def _run(args: argparse.Namespace, request: PlanRequest) -> int:
     cache = PlanCache.from_option(args.plan_cache_dir)
     planner = Planner(cfg, specs, cache, quiet=args.json)
     planner._log(f"[plan] {_cache_text(cache)}")
-    assumptions = _assumptions(args.nic_gbps, convert_gbps, args.convert_gbps is not None, slot_bytes, fp8, rollout_nic)
+    assumptions = assumptions_text(
+        args.nic_gbps, convert_gbps, args.convert_gbps is not None, slot_bytes, fp8, rollout_nic
+    )
 
     def estimates(trainer: Parallelism, rollout: Parallelism) -> tuple[SyncEstimate, SyncEstimate]:
         """This layout pair with the split (what p2p does) and without it (one source per target and stage)."""
@@ -549,8 +423,8 @@ def _run(args: argparse.Namespace, request: PlanRequest) -> int:
     if args.json:
         print(json.dumps(out, indent=2, default=str))
         return 0
-    print(f"model {label}: {out['hf_tensors']} HF tensors, {_gb(out['hf_bytes'])}", end="")
-    print(f"; the rollout holds {_gb(out['rollout_bytes'])} ({args.rollout_quant})")
+    print(f"model {label}: {out['hf_tensors']} HF tensors, {gb_text(out['hf_bytes'])}", end="")
+    print(f"; the rollout holds {gb_text(out['rollout_bytes'])} ({args.rollout_quant})")
     if anchors:
         print(
             f"{'system':<24} {'published':>10} {'predicted':>10} {'wire floor':>10} {'no split':>10}  "
@@ -565,9 +439,9 @@ def _run(args: argparse.Namespace, request: PlanRequest) -> int:
         for row in out["anchors"]:
             print(f"  {row['system']} {row['published']}: {row['setting']}; assumed: {row['assumed']}")
     else:
-        _print_estimate(est, trainer, rollout, unsplit)
+        print_estimate(est, trainer, rollout, unsplit)
         for p in published:
-            print(f"published for this model: {_published_line(p)}")
+            print(f"published for this model: {published_line(p)}")
     print("assumptions: " + "; ".join(f"{k}: {v}" for k, v in assumptions.items()))
     for reason in out["refused"]:
         print(f"WARNING: p2p refuses this model: {reason}")

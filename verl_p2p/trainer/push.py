@@ -11,6 +11,9 @@ written exactly once, or the push raises naming what is missing or which targets
 What can be checked before the first write is (`check_push`): published names, sizes and ranges, and an
 FP8 export into a plan without FP8 inputs. What shows only while streaming is checked for each HF tensor
 before anything is loaded from it (`stream_checks.refusal`).
+
+A little over 500 lines on purpose: the pre-write checks read the push's own target groups (`_Group`), and
+splitting them out would make the two modules import each other.
 """
 
 from __future__ import annotations

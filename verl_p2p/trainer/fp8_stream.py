@@ -44,7 +44,10 @@ def fp8_targets(planned: PlannedSpecs) -> dict[str, str]:
     return out
 
 
-_PLAN_TARGETS: dict[int, tuple[weakref.ref, dict[str, str]]] = {}  # id(write plan) -> (the plan, its targets)
+# id(write plan) -> (the plan, its targets). Process-wide on purpose: a memo of a pure function of an immutable
+# plan, dropped with the plan (weakref.finalize); the plan's owners (a session's executors, the bench, the source's
+# pre-pause compile) all ask for the same answer, so one memo serves them without threading it through each.
+_PLAN_TARGETS: dict[int, tuple[weakref.ref, dict[str, str]]] = {}
 
 
 def plan_fp8_targets(plans: Iterable[Any]) -> dict[str, str]:

@@ -44,7 +44,7 @@ def exactness(device: str) -> dict:
                     cases += 1
                     if not (torch.equal(q.cpu().view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s.cpu(), rs)):
                         unequal.append(f"{way} {shape} {dtype}")
-    return {"cases": cases, "unequal": unequal, "fused_stays_on": block_fp8._fused_checked["state"]}
+    return {"cases": cases, "unequal": unequal, "fused_stays_on": block_fp8.DEFAULT_FUSED.enabled}
 
 
 def _timed(fn, device: str, repeats: int) -> list[float]:

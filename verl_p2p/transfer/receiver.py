@@ -83,8 +83,27 @@ class ReceiverProcess:
         """Prefill every parameter with 0xFF again (reuse one receiver across tests)."""
         self.call("fill")
 
-    def freeze(self) -> None:
+    def freeze(self, timeout_s: float = 10.0) -> None:
+        """Stop the receiver and return once every one of its threads is stopped: a stop is only requested by the
+        signal, and on a loaded host a thread mid-call could still answer a write sent right after it."""
         os.kill(self.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + timeout_s
+        while not self._all_threads_stopped():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"receiver {self.pid} did not stop within {timeout_s} s of SIGSTOP")
+            time.sleep(0.005)
+
+    def _all_threads_stopped(self) -> bool:
+        """Every thread of the process in state T (stopped), read from /proc (Linux, where the receiver runs)."""
+        tasks = f"/proc/{self.pid}/task"
+        try:
+            states = []
+            for tid in os.listdir(tasks):
+                with open(f"{tasks}/{tid}/stat") as stat:
+                    states.append(stat.read().rsplit(")", 1)[1].split()[0])
+        except FileNotFoundError:
+            return False
+        return bool(states) and all(state in ("T", "t") for state in states)
 
     def thaw(self) -> None:
         os.kill(self.pid, signal.SIGCONT)

@@ -19,6 +19,7 @@ import torch
 from verl_p2p.errors import TransferError
 from verl_p2p.planning.targets import TargetRank
 from verl_p2p.trainer.push import PushTarget, push
+from verl_p2p.transfer.base import TransportProxy
 from verl_p2p.transfer.buffers import TransferBuffers
 from verl_p2p.transfer.mooncake import MooncakeTransport
 from verl_p2p.transfer.receiver import spec_from_plan, start_receivers, stop_all
@@ -36,7 +37,7 @@ VICTIM = TargetRank(1, 0)
 BIG = 32 << 20
 
 
-class SignalMidWrite:
+class SignalMidWrite(TransportProxy):
     """The real Mooncake transport, plus one hook: when a large write call to `session_id` starts (not its
     first call, so the connection is already up), `action` runs 5 ms later, while the call is in flight.
     Records when the call started, when the action ran and when the call returned."""
@@ -46,16 +47,6 @@ class SignalMidWrite:
         self.calls = 0
         self.started = self.acted = self.returned = None
         self.failed = None
-
-    @property
-    def session_id(self) -> str:
-        return self.inner.session_id
-
-    def register(self, addr: int, nbytes: int) -> None:
-        self.inner.register(addr, nbytes)
-
-    def unregister(self, addr: int) -> None:
-        self.inner.unregister(addr)
 
     def _act(self) -> None:
         self.action()

@@ -26,6 +26,7 @@ from verl_p2p.errors import PushError, TransferError
 from verl_p2p.planning.layout import layout_from_server_args
 from verl_p2p.planning.targets import TargetRank
 from verl_p2p.trainer.push import PushTarget, push
+from verl_p2p.transfer.base import TransportProxy
 from verl_p2p.transfer.buffers import TransferBuffers
 from verl_p2p.transfer.mooncake import MooncakeTransport
 from verl_p2p.transfer.receiver import FILL_BYTE, spec_from_plan, start_receivers, stop_all
@@ -77,22 +78,12 @@ def transports():
     return [MooncakeTransport("127.0.0.1", protocol="tcp", timeout_s=TIMEOUT_S) for _ in range(6)]
 
 
-class DiesMidPush:
+class DiesMidPush(TransportProxy):
     """A source's Mooncake endpoint that stops for good on its second write call (its process gone): the
     first call's bytes landed, nothing after."""
 
     def __init__(self, inner: MooncakeTransport) -> None:
         self.inner, self.calls, self.written = inner, 0, 0
-
-    @property
-    def session_id(self) -> str:
-        return self.inner.session_id
-
-    def register(self, addr: int, nbytes: int) -> None:
-        self.inner.register(addr, nbytes)
-
-    def unregister(self, addr: int) -> None:
-        self.inner.unregister(addr)
 
     def write(self, session_id, local_addrs, remote_addrs, lengths) -> None:
         self.calls += 1

@@ -15,6 +15,7 @@ import torch
 
 from verl_p2p.errors import RemoteMismatchError, TransferError
 from verl_p2p.planning.targets import RemoteParam, RemoteRankInfo, TargetRank
+from verl_p2p.transfer.base import TransportProxy
 from verl_p2p.transfer.buffers import TransferBuffers
 from verl_p2p.transfer.mooncake import MooncakeTransport
 from verl_p2p.transfer.receiver import FILL_BYTE, start_receivers, stop_all
@@ -217,22 +218,12 @@ def test_frozen_target_times_out_on_our_deadline(tmp_path, transport, victims):
     transport.unregister(src.data_ptr())
 
 
-class WatchedCalls:
+class WatchedCalls(TransportProxy):
     """The real Mooncake transport; records when a write call to `session_id` starts and when it returns."""
 
     def __init__(self, inner: MooncakeTransport, session_id: str) -> None:
         self.inner, self.watched = inner, session_id
         self.started, self.returned = threading.Event(), threading.Event()
-
-    @property
-    def session_id(self) -> str:
-        return self.inner.session_id
-
-    def register(self, addr: int, nbytes: int) -> None:
-        self.inner.register(addr, nbytes)
-
-    def unregister(self, addr: int) -> None:
-        self.inner.unregister(addr)
 
     def write(self, session_id, local_addrs, remote_addrs, lengths) -> None:
         if session_id != self.watched:

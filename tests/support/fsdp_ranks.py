@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
+from verl_p2p.transfer.base import TransportProxy
+
 TIMEOUT_S = 20.0
 
 
@@ -87,21 +89,11 @@ def actor_worker(engine: Any) -> Any:
     return worker
 
 
-class DiesAfter:
+class DiesAfter(TransportProxy):
     """A Mooncake endpoint that is gone for good after `calls` write calls (its NIC or process died)."""
 
     def __init__(self, inner: Any, calls: int) -> None:
         self.inner, self.left, self.written = inner, calls, 0
-
-    @property
-    def session_id(self) -> str:
-        return self.inner.session_id
-
-    def register(self, addr: int, nbytes: int) -> None:
-        self.inner.register(addr, nbytes)
-
-    def unregister(self, addr: int) -> None:
-        self.inner.unregister(addr)
 
     def write(self, session_id, local_addrs, remote_addrs, lengths) -> None:
         from verl_p2p.errors import TransferError

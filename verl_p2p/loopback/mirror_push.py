@@ -30,26 +30,17 @@ import torch
 
 from verl_p2p.errors import TransferError
 from verl_p2p.planning.targets import TargetRank
+from verl_p2p.transfer.base import TransportProxy
 from verl_p2p.transfer.mooncake import MooncakeTransport
 from verl_p2p.transfer.writer import TargetFailure, WriteEntry, Writer, push_error
 
 
-class _InjectedWriteFailures:
+class _InjectedWriteFailures(TransportProxy):
     """The transport, except that writes to `failing` sessions fail once they made `after` calls (this push)."""
 
     def __init__(self, inner: MooncakeTransport, failing: Mapping[str, int]) -> None:
         self.inner, self.left = inner, dict(failing)
         self._lock = threading.Lock()
-
-    @property
-    def session_id(self) -> str:
-        return self.inner.session_id
-
-    def register(self, addr: int, nbytes: int) -> None:
-        self.inner.register(addr, nbytes)
-
-    def unregister(self, addr: int) -> None:
-        self.inner.unregister(addr)
 
     def write(self, session_id, local_addrs, remote_addrs, lengths) -> None:
         with self._lock:

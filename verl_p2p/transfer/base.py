@@ -41,3 +41,26 @@ def check_rc(rc: int, what: str, fix: str = "") -> None:
     """Turn a transport's negative return code into a TransferError that says what failed."""
     if rc < 0:
         raise TransferError(f"{what} failed (return code {rc})" + (f": {fix}" if fix else ""))
+
+
+class TransportProxy:
+    """A transport that hands every call to `inner`: the base of wrappers that change only `write` (a fault on
+    chosen sessions, a record of calls), so each keeps the seam's other calls without writing them again."""
+
+    def __init__(self, inner: Transport) -> None:
+        self.inner = inner
+
+    @property
+    def session_id(self) -> str:
+        return self.inner.session_id
+
+    def register(self, addr: int, nbytes: int) -> None:
+        self.inner.register(addr, nbytes)
+
+    def unregister(self, addr: int) -> None:
+        self.inner.unregister(addr)
+
+    def write(
+        self, session_id: str, local_addrs: Sequence[int], remote_addrs: Sequence[int], lengths: Sequence[int]
+    ) -> None:
+        return self.inner.write(session_id, local_addrs, remote_addrs, lengths)

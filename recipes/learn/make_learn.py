@@ -59,28 +59,23 @@ def word_tokens() -> list[str]:
 def rows(task: LearnTask, n: int, split: str, rng: random.Random) -> list[dict]:
     words = word_tokens()
     ground_truth = " ".join(task.target_words)
-    out = []
-    for index in range(n):
-        filler = " ".join(rng.choice(words) for _ in range(rng.randint(2, 6)))
-        out.append(
-            {
-                "data_source": DATA_SOURCE,
-                "prompt": [{"role": "user", "content": f"{filler} repeat the word {ground_truth}"}],
-                "ability": "target_words",
-                "reward_model": {"style": "rule", "ground_truth": ground_truth},
-                "extra_info": {"split": split, "index": index},
-            }
+    return [
+        make_tiny.prompt_row(
+            DATA_SOURCE,
+            f"{' '.join(rng.choice(words) for _ in range(rng.randint(2, 6)))} repeat the word {ground_truth}",
+            "target_words",
+            ground_truth,
+            split,
+            index,
         )
-    return out
+        for index in range(n)
+    ]
 
 
 def write_data(path: Path, task: LearnTask, n_train: int, n_val: int) -> None:
-    import pandas as pd
-
-    path.mkdir(parents=True, exist_ok=True)
-    rng = random.Random(task.seed)
-    pd.DataFrame(rows(task, n_train, "train", rng)).to_parquet(path / "train.parquet")
-    pd.DataFrame(rows(task, n_val, "val", rng)).to_parquet(path / "val.parquet")
+    make_tiny.write_splits(
+        path, lambda n, split, rng: rows(task, n, split, rng), n_train, n_val, random.Random(task.seed)
+    )
 
 
 HEAD_STD = 0.05  # make_tiny's head draws 0.5

@@ -144,31 +144,38 @@ def write_model(path: Path, seed: int, model: dict = MODEL) -> None:
     )
 
 
+def prompt_row(data_source: str, content: str, ability: str, ground_truth: str, split: str, index: int) -> dict:
+    """One row of verl's RL data: a single user turn, and the ground truth its rule-based reward reads."""
+    return {
+        "data_source": data_source,
+        "prompt": [{"role": "user", "content": content}],
+        "ability": ability,
+        "reward_model": {"style": "rule", "ground_truth": ground_truth},
+        "extra_info": {"split": split, "index": index},
+    }
+
+
 def rows(n: int, split: str, rng: random.Random) -> list[dict]:
     words = vocabulary()[len(SPECIALS) + 1 + len(ROLES) :]
     out = []
     for index in range(n):
         target = rng.choice(words)
         filler = " ".join(rng.choice(words) for _ in range(rng.randint(2, 6)))
-        out.append(
-            {
-                "data_source": DATA_SOURCE,
-                "prompt": [{"role": "user", "content": f"{filler} repeat the word {target}"}],
-                "ability": "repeat",
-                "reward_model": {"style": "rule", "ground_truth": target},
-                "extra_info": {"split": split, "index": index},
-            }
-        )
+        out.append(prompt_row(DATA_SOURCE, f"{filler} repeat the word {target}", "repeat", target, split, index))
     return out
 
 
-def write_data(path: Path, n_train: int, n_val: int, seed: int) -> None:
+def write_splits(path: Path, make_rows, n_train: int, n_val: int, rng: random.Random) -> None:
+    """`train.parquet` and `val.parquet` from `make_rows(n, split, rng)`, train first (one generator for both)."""
     import pandas as pd
 
     path.mkdir(parents=True, exist_ok=True)
-    rng = random.Random(seed)
-    pd.DataFrame(rows(n_train, "train", rng)).to_parquet(path / "train.parquet")
-    pd.DataFrame(rows(n_val, "val", rng)).to_parquet(path / "val.parquet")
+    pd.DataFrame(make_rows(n_train, "train", rng)).to_parquet(path / "train.parquet")
+    pd.DataFrame(make_rows(n_val, "val", rng)).to_parquet(path / "val.parquet")
+
+
+def write_data(path: Path, n_train: int, n_val: int, seed: int) -> None:
+    write_splits(path, rows, n_train, n_val, random.Random(seed))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -59,8 +59,7 @@ LIFECYCLE = {
     "/flush_cache",
     "/weights_checker",
 }
-ENV = {
-    "RAY_AUTH_MODE": "disabled",
+ENV = {  # RAY_AUTH_MODE: one value for the whole suite, set by conftest.py
     "MC_LOG_LEVEL": "ERROR",
     "OMP_NUM_THREADS": "1",
     "TOKENIZERS_PARALLELISM": "false",

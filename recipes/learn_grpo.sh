@@ -2,7 +2,7 @@
 # GRPO that learns (issue 34): verl one_step_off_policy, Megatron actor (TP=1) on one GPU, one SGLang replica (TP=1)
 # on the other, on a task a tiny random-init model learns in minutes with nothing downloaded (recipes/learn/: the
 # share of response tokens from a small target set). BACKEND=verl_p2p (default) | mooncake (verl's own engine) |
-# control (the negative control: a stand-in engine that never updates the rollout's weights). STEPS (60) training
+# control (the negative control: a stand-in engine that never updates the rollout's weights). STEPS (40) training
 # steps with fixed seeds (SEED), verl's validation before the first and after the last step. ONE_GPU=1 puts both
 # pools on one GPU (the pool-mapping stand-in). Shared settings: tiny/tiny_args.sh, learn/learn_args.sh. Model and
 # data: learn/make_learn.py. scripts/gpu_grpo_run.sh TASK=learn runs it on the GPU machine with the checks around it.
@@ -11,7 +11,7 @@ CHECK_WEIGHTS=${CHECK_WEIGHTS:-1}
 P2P_PROTOCOL=${P2P_PROTOCOL:-tcp}
 BACKEND=${BACKEND:-verl_p2p}
 TINY_DIR=${TINY_DIR:-/tmp/verl-p2p-learn}
-STEPS=${STEPS:-60}
+STEPS=${STEPS:-40}
 BATCH=${BATCH:-16}
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 source "$P2P_ROOT/recipes/tiny/tiny_args.sh"

@@ -36,7 +36,7 @@ case "$TASK" in
         make_data=(recipes/tiny/make_tiny.py --shape "$SHAPE" ${LAYERS:+--layers "$LAYERS"})
         ;;
     learn)  # issue 34's learning task (recipes/learn/): the tiny shape only
-        STEPS=${STEPS:-60} BATCH=${BATCH:-16} TINY_DIR=${TINY_DIR:-/tmp/verl-p2p-learn}
+        STEPS=${STEPS:-40} BATCH=${BATCH:-16} TINY_DIR=${TINY_DIR:-/tmp/verl-p2p-learn}
         one_step_off_recipe=recipes/learn_grpo.sh fully_async_recipe=recipes/learn_fully_async.sh
         make_data=(recipes/learn/make_learn.py --seed "${SEED:-1}")
         ;;

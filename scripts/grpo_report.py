@@ -327,19 +327,27 @@ def plot(reports: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_reward, ax_sync) = plt.subplots(1, 2, figsize=(10, 3.8))
-    for r in reports:
+    for i, r in enumerate(reports):
+        color = f"C{i}"  # one colour per run in both panels
         steps = [s["step"] for s in r["steps"]]
-        ax_reward.plot(steps, [s["reward_mean"] for s in r["steps"]], marker="o", label=r["name"])
+        ax_reward.plot(steps, [s["reward_mean"] for s in r["steps"]], marker="o", color=color, label=r["name"])
         if any(isinstance(s["sync_s"], (int, float)) for s in r["steps"]):
-            ax_sync.plot(steps, [s["sync_s"] for s in r["steps"]], marker="o", label=f"{r['name']} sync")
+            ax_sync.plot(steps, [s["sync_s"] for s in r["steps"]], marker="o", color=color, label=f"{r['name']} sync")
         elif r["syncs"]:  # no per-step sync timer (fully_async): p2p's own seconds of each numbered version
             numbered = [x for x in r["syncs"] if str(x["version"]).isdigit()]
             ax_sync.plot(
-                [int(x["version"]) for x in numbered], [x["sync_s"] for x in numbered], marker="s",
+                [int(x["version"]) for x in numbered], [x["sync_s"] for x in numbered], marker="s", color=color,
                 label=f"{r['name']} p2p sync (x: version)",
             )  # fmt: skip
         if any(isinstance(s["paused_s"], (int, float)) for s in r["steps"]):
-            ax_sync.plot(steps, [s["paused_s"] for s in r["steps"]], marker="x", ls="--", label=f"{r['name']} paused")
+            ax_sync.plot(
+                steps,
+                [s["paused_s"] for s in r["steps"]],
+                marker="x",
+                ls="--",
+                color=color,
+                label=f"{r['name']} paused",
+            )
     ax_reward.set(title="mean reward per step", xlabel="step", ylabel="reward")
     ax_sync.set(title="weight sync per step", xlabel="step", ylabel="seconds")
     for ax in (ax_reward, ax_sync):

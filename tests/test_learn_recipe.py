@@ -97,8 +97,8 @@ def test_one_step_off_learning_run_passes_verls_config_validation(backend, one_g
     module, cfg = composed(LEARN_GRPO, BACKEND=backend, ONE_GPU=one_gpu)
     assert module == "verl.experimental.one_step_off_policy.main_ppo"
     check_backend(cfg, module, backend)
-    assert cfg.trainer.total_training_steps == 60 and cfg.data.train_batch_size == 16
-    assert cfg.trainer.val_before_train is True and cfg.trainer.test_freq == 60  # validation at start and end
+    assert cfg.trainer.total_training_steps == 40 and cfg.data.train_batch_size == 16
+    assert cfg.trainer.val_before_train is True and cfg.trainer.test_freq == 40  # validation at start and end
     assert cfg.reward.custom_reward_function.path == str(ROOT / "recipes" / "learn" / "reward.py")
     assert cfg.data.train_files.startswith("/tmp/verl-p2p-learn/")
     cfg = task_config(cfg)

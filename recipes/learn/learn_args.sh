@@ -2,18 +2,18 @@
 # Shared by the learning recipes (learn_grpo.sh: one_step_off; learn_fully_async.sh: fully_async): the task
 # (recipes/learn/reward.py's target words, data by recipes/learn/make_learn.py) and its GRPO settings, the same
 # seeds for every backend. Sets LEARN_ARGS (Hydra overrides, appended after tiny/tiny_args.sh's TINY_ARGS). Source
-# after tiny/tiny_args.sh. The values are STARTING POINTS, to be tuned on the H200 until the p2p curve rises clearly
-# (issue 34); recipes/README.md says what each is for.
+# after tiny/tiny_args.sh. These values made the curves of docs/measurements/grpo_h100_learn_one_step_off.md
+# (40 steps); recipes/README.md says what each is for.
 #
 # Environment (all optional):
 #   SEED (1)              data order, Megatron init of the actor's RNG, rollout and SGLang sampling seeds
-#   LR (3e-4)             the actor's Adam learning rate
+#   LR (1e-3)             the actor's Adam learning rate
 #   GROUP (8)             GRPO group: samples per prompt (rollout.n)
 #   RESPONSE_LENGTH (16)  response tokens
 #   TEMPERATURE (1.0)     rollout sampling temperature (validation is greedy, verl's default)
 
 SEED=${SEED:-1}
-LR=${LR:-3e-4}
+LR=${LR:-1e-3}
 GROUP=${GROUP:-8}
 RESPONSE_LENGTH=${RESPONSE_LENGTH:-16}
 TEMPERATURE=${TEMPERATURE:-1.0}

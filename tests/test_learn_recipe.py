@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from omegaconf import OmegaConf, open_dict
-from support.compose import ROOT, compose_config, recipe_command
+from omegaconf import OmegaConf
+from support.compose import ROOT, compose_config, recipe_command, task_config
 from test_hydra_recipes import check_p2p_config
 
 LEARN_GRPO = ROOT / "recipes" / "learn_grpo.sh"
@@ -39,17 +39,6 @@ SAME = (
 def composed(script: Path, **env: str):
     module, args = recipe_command(script, **env)
     return module, compose_config(module, args)
-
-
-def task_config(cfg):
-    """What one_step_off's TaskRunner validates: the task config with its rollout section filled by main()."""
-    cfg = cfg.copy()
-    with open_dict(cfg):
-        del cfg["hydra"]
-    cfg.actor_rollout_ref.rollout.nnodes = cfg.rollout.nnodes
-    cfg.actor_rollout_ref.rollout.n_gpus_per_node = cfg.rollout.n_gpus_per_node
-    OmegaConf.resolve(cfg)
-    return cfg
 
 
 def learn_on_path() -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf, open_dict
-from support.compose import ROOT, compose_config, recipe_command
+from support.compose import ROOT, compose_config, recipe_command, task_config
 from test_hydra_recipes import check_p2p_config
 
 from verl_p2p.sandbox.te_free import te_free_overrides
@@ -36,17 +36,6 @@ def composed(script: Path = TINY, **env: str):
     module, args = recipe_command(script, **env)
     cfg = compose_config(module, args)
     return module, args, cfg
-
-
-def task_config(cfg):
-    """What one_step_off's TaskRunner validates: the task config with its rollout section filled by main()."""
-    cfg = cfg.copy()
-    with open_dict(cfg):
-        del cfg["hydra"]
-    cfg.actor_rollout_ref.rollout.nnodes = cfg.rollout.nnodes
-    cfg.actor_rollout_ref.rollout.n_gpus_per_node = cfg.rollout.n_gpus_per_node
-    OmegaConf.resolve(cfg)
-    return cfg
 
 
 def test_tiny_recipe_is_one_trainer_gpu_and_one_checked_tcp_replica():

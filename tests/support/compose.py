@@ -9,7 +9,7 @@ from pathlib import Path
 
 import verl
 from hydra import compose, initialize_config_dir
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf"
@@ -50,3 +50,14 @@ def recipe_command(script: Path, **env: str) -> tuple[str, list[str]]:
     parts = out.decode().split("\0")
     assert parts[-1] == "", "recipe output must be NUL-terminated arguments"
     return parts[0], parts[1:-1]
+
+
+def task_config(cfg: DictConfig) -> DictConfig:
+    """What one_step_off's TaskRunner validates: the task config with its rollout section filled by main()."""
+    cfg = cfg.copy()
+    with open_dict(cfg):
+        del cfg["hydra"]
+    cfg.actor_rollout_ref.rollout.nnodes = cfg.rollout.nnodes
+    cfg.actor_rollout_ref.rollout.n_gpus_per_node = cfg.rollout.n_gpus_per_node
+    OmegaConf.resolve(cfg)
+    return cfg

@@ -25,5 +25,5 @@ ARGS=(
     trainer.val_before_train=true
     trainer.test_freq=$STEPS
 )
-p2p_launch verl.experimental.one_step_off_policy.main_ppo --config-name=one_step_off_ppo_megatron_trainer \
+p2p_launch verl.experimental.one_step_off_policy.main_ppo --config-name="$TINY_ONE_STEP_OFF_CONFIG" \
     "${TINY_SYNC_ARGS[@]}" "${TINY_ARGS[@]}" "${LEARN_ARGS[@]}" "${ARGS[@]}" "$@"

@@ -52,5 +52,5 @@ ARGS=(
     # one save, forced at the end (verl saves then whenever save_freq > 0): the last synced version's weights
     trainer.save_freq=1000
 )
-p2p_launch verl.experimental.fully_async_policy.fully_async_main --config-name=fully_async_ppo_megatron_trainer \
+p2p_launch verl.experimental.fully_async_policy.fully_async_main --config-name="$TINY_FULLY_ASYNC_CONFIG" \
     "${TINY_SYNC_ARGS[@]}" "${TINY_ARGS[@]}" "${ARGS[@]}" "$@"

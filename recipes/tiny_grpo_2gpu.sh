@@ -17,5 +17,5 @@ ARGS=(
     trainer.total_training_steps=$STEPS
     trainer.val_before_train=true
 )
-p2p_launch verl.experimental.one_step_off_policy.main_ppo --config-name=one_step_off_ppo_megatron_trainer \
+p2p_launch verl.experimental.one_step_off_policy.main_ppo --config-name="$TINY_ONE_STEP_OFF_CONFIG" \
     "${TINY_SYNC_ARGS[@]}" "${TINY_ARGS[@]}" "${ARGS[@]}" "$@"

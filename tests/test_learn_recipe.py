@@ -95,6 +95,39 @@ def test_one_step_off_learning_run_passes_verls_config_validation(backend, one_g
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_the_fsdp_trainer_learning_run_passes_verls_config_validation(backend):
+    """TRAINER=fsdp: the same task on verl's FSDP2 trainer (its one_step_off config, p2p's +p2p=fsdp overlay, SDPA
+    attention: the GPU stack carries no flash-attn), validated by verl as the Megatron run is; nothing of Megatron
+    is left in the command line."""
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    from verl_p2p.backend.guards import config_problems
+
+    module, args = recipe_command(LEARN_GRPO, BACKEND=backend, ONE_GPU="1", TRAINER="fsdp", SEED="7")
+    assert "--config-name=one_step_off_ppo_trainer" in args and not [a for a in args if "megatron" in a]
+    cfg = compose_config(module, args)
+    check_backend(cfg, module, backend)
+    actor = cfg.actor_rollout_ref.actor
+    assert actor.strategy == "fsdp2" and cfg.actor_rollout_ref.ref.strategy == "fsdp2"
+    assert actor.fsdp_config.seed == 7 and actor.use_torch_compile is False
+    assert cfg.actor_rollout_ref.model.override_config.attn_implementation == "sdpa"
+    if backend == "verl_p2p":
+        assert cfg.actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.verl_p2p.export_mode == "auto"
+        assert config_problems(cfg, guard=True) == []
+    cfg = task_config(cfg)
+    validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+
+
+def test_an_unknown_trainer_is_refused_before_anything_starts():
+    import subprocess
+
+    env = {"PATH": "/usr/bin:/bin", "TRAINER": "deepspeed", "P2P_PRINT_COMMAND": "1"}
+    proc = subprocess.run(["bash", str(LEARN_GRPO)], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "TRAINER=deepspeed: expected megatron or fsdp" in proc.stderr
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_fully_async_learning_run_has_partial_rollouts_on(backend):
     """fully_async is not validated by verl's PPO validate_config (it refuses the train_batch_size 0 fully_async
     needs): what verl's rollouter asserts is checked, and verl's dataclasses build the rollout section."""

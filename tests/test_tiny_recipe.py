@@ -98,6 +98,10 @@ VARIANTS = {
     "one_step_off-1gpu-mooncake": (TINY, {"ONE_GPU": "1", "BACKEND": "mooncake"}),
     "fully_async-1gpu": (TINY_ASYNC, {"ONE_GPU": "1"}),
     "fully_async-2gpu": (TINY_ASYNC, {}),
+    # verl's default trainer (FSDP2) as the source, p2p and verl's own engine
+    "one_step_off-1gpu-fsdp": (TINY, {"ONE_GPU": "1", "TRAINER": "fsdp"}),
+    "one_step_off-1gpu-fsdp-mooncake": (TINY, {"ONE_GPU": "1", "TRAINER": "fsdp", "BACKEND": "mooncake"}),
+    "fully_async-1gpu-fsdp": (TINY_ASYNC, {"ONE_GPU": "1", "TRAINER": "fsdp"}),
 }
 
 
@@ -126,6 +130,15 @@ def test_every_run_of_the_gpu_report_passes_verls_config_validation(variant):
     # mooncake run on the H200 stopped at `import torch_memory_saver`, which the stack does not carry)
     assert cfg.actor_rollout_ref.rollout.engine_kwargs["sglang"]["enable_memory_saver"] is False
     assert cfg.trainer.resume_mode == ("auto" if env.get("RESUME") == "1" else "disable")
+    if env.get("TRAINER") == "fsdp":  # verl's FSDP config and p2p's FSDP overlay, nothing of Megatron
+        assert (
+            "--config-name=" + ("fully_async_ppo_trainer" if script == TINY_ASYNC else "one_step_off_ppo_trainer")
+            in args
+        )
+        assert not [a for a in args if "megatron" in a] and cfg.actor_rollout_ref.actor.strategy == "fsdp2"
+        assert cfg.actor_rollout_ref.model.override_config.attn_implementation == "sdpa"
+    else:
+        assert cfg.actor_rollout_ref.actor.megatron.override_transformer_config.transformer_impl == "local"
     # verl leaves the rollout's name mandatory (`???`): every backend's run must name SGLang itself (the mooncake
     # run on the H200 stopped at MissingMandatoryValue before it did)
     assert cfg.actor_rollout_ref.rollout.name == "sglang" and cfg.actor_rollout_ref.rollout.load_format == "auto"

@@ -32,7 +32,12 @@ LEARN_ARGS=(
     # the same seeds for every backend: the curves differ only by the sync
     data.seed=$SEED
     actor_rollout_ref.actor.data_loader_seed=$SEED
-    actor_rollout_ref.actor.megatron.seed=$SEED
     actor_rollout_ref.rollout.seed=$SEED
     +actor_rollout_ref.rollout.engine_kwargs.sglang.random_seed=$SEED
 )
+# the actor's model-init seed lives in its trainer's own section (TRAINER: tiny/tiny_args.sh)
+if [[ "${TRAINER:-megatron}" == fsdp ]]; then
+    LEARN_ARGS+=(actor_rollout_ref.actor.fsdp_config.seed=$SEED)
+else
+    LEARN_ARGS+=(actor_rollout_ref.actor.megatron.seed=$SEED)
+fi

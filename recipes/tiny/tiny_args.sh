@@ -8,6 +8,9 @@
 #   ONE_GPU=1                both pools on ONE GPU (a stand-in for the second GPU, named as one): Ray is told the
 #                            node has 2 GPUs and every process it starts is mapped onto the one physical device
 #                            (tiny/tiny_run_setup.py); without it the run needs 2 GPUs, one per pool
+#   TRAINER=megatron|fsdp    verl's actor: Megatron (default; TE-free, TP1) or FSDP2 (verl's default trainer; HF
+#                            model with SDPA attention, p2p's +p2p=fsdp overlay); sets TINY_ONE_STEP_OFF_CONFIG and
+#                            TINY_FULLY_ASYNC_CONFIG, the verl config each recipe starts from
 #   BACKEND=p2p|mooncake|nixl|control weight sync: p2p (this package, default; also `verl_p2p`), verl's own engine,
 #                            or the negative control (recipes/learn/control_engine.py, a stand-in that never
 #                            updates the rollout's weights), same run otherwise
@@ -38,6 +41,15 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 RAY_ENV=ray_kwargs.ray_init.runtime_env.env_vars
 MEGATRON=actor_rollout_ref.actor.megatron
 SGLANG=actor_rollout_ref.rollout.engine_kwargs.sglang
+TRAINER=${TRAINER:-megatron}
+case "$TRAINER" in
+    megatron) TINY_ONE_STEP_OFF_CONFIG=one_step_off_ppo_megatron_trainer TINY_FULLY_ASYNC_CONFIG=fully_async_ppo_megatron_trainer ;;
+    fsdp) TINY_ONE_STEP_OFF_CONFIG=one_step_off_ppo_trainer TINY_FULLY_ASYNC_CONFIG=fully_async_ppo_trainer ;;
+    *)
+        echo "TRAINER=$TRAINER: expected megatron or fsdp" >&2
+        exit 2
+        ;;
+esac
 
 TINY_ARGS=(
     algorithm.adv_estimator=grpo
@@ -49,19 +61,15 @@ TINY_ARGS=(
     data.dataloader_num_workers=2
     actor_rollout_ref.hybrid_engine=false
     actor_rollout_ref.model.path="$MODEL_PATH"
-    # BSHD batches for the actor (its megatron config, the ref's follows it) AND the ref worker, which reads the
-    # model's flag (the TE-free Megatron has no packed-sequence attention)
+    # BSHD batches (the TE-free Megatron has no packed-sequence attention; FSDP's packed path needs flash-attn,
+    # which the GPU stack does not carry)
     actor_rollout_ref.model.use_remove_padding=false
-    $MEGATRON.use_remove_padding=false
     actor_rollout_ref.actor.optim.lr=1e-3
     actor_rollout_ref.actor.ppo_mini_batch_size=$BATCH
     actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8
     actor_rollout_ref.actor.use_kl_loss=true
     actor_rollout_ref.actor.kl_loss_coef=0.001
     actor_rollout_ref.actor.checkpoint.save_contents="$SAVE_CONTENTS"
-    $MEGATRON.tensor_model_parallel_size=1
-    $MEGATRON.pipeline_model_parallel_size=1
-    actor_rollout_ref.ref.megatron.tensor_model_parallel_size=1
     actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8
     actor_rollout_ref.rollout.n=4
     actor_rollout_ref.rollout.tensor_model_parallel_size=1
@@ -87,14 +95,6 @@ TINY_ARGS=(
     +$SGLANG.sampling_backend=pytorch
     +$SGLANG.disable_cuda_graph=true
     +$SGLANG.grammar_backend=none
-    # Megatron without transformer_engine (verl_p2p.sandbox.te_free.te_free_overrides): no fusions, local layers
-    +$MEGATRON.override_transformer_config.gradient_accumulation_fusion=false
-    +$MEGATRON.override_transformer_config.masked_softmax_fusion=false
-    +$MEGATRON.override_transformer_config.persist_layer_norm=false
-    +$MEGATRON.override_transformer_config.apply_rope_fusion=false
-    +$MEGATRON.override_transformer_config.bias_activation_fusion=false
-    +$MEGATRON.override_transformer_config.bias_dropout_fusion=false
-    +$MEGATRON.override_transformer_config.transformer_impl=local
     # The same in every Ray worker, explicitly (they also inherit this shell's environment)
     "+$RAY_ENV.NCCL_NVLS_ENABLE='0'"
     "+$RAY_ENV.TORCH_SYMM_MEM_DISABLE_MULTICAST='1'"
@@ -107,6 +107,30 @@ TINY_ARGS=(
 
 if [[ "${RESUME:-0}" == 1 ]]; then
     TINY_ARGS+=(trainer.resume_mode=auto)
+fi
+
+# The actor's own settings. Megatron: the ref worker reads the model's flag, the actor its megatron config.
+if [[ "$TRAINER" == megatron ]]; then
+    TINY_ARGS+=(
+        $MEGATRON.use_remove_padding=false
+        $MEGATRON.tensor_model_parallel_size=1
+        $MEGATRON.pipeline_model_parallel_size=1
+        actor_rollout_ref.ref.megatron.tensor_model_parallel_size=1
+        # Megatron without transformer_engine (verl_p2p.sandbox.te_free.te_free_overrides): no fusions, local layers
+        +$MEGATRON.override_transformer_config.gradient_accumulation_fusion=false
+        +$MEGATRON.override_transformer_config.masked_softmax_fusion=false
+        +$MEGATRON.override_transformer_config.persist_layer_norm=false
+        +$MEGATRON.override_transformer_config.apply_rope_fusion=false
+        +$MEGATRON.override_transformer_config.bias_activation_fusion=false
+        +$MEGATRON.override_transformer_config.bias_dropout_fusion=false
+        +$MEGATRON.override_transformer_config.transformer_impl=local
+    )
+else  # FSDP2: verl's HF model with SDPA (verl's default asks for flash-attn), no torch.compile of the tiny model
+    TINY_ARGS+=(
+        actor_rollout_ref.actor.strategy=fsdp2
+        +actor_rollout_ref.model.override_config.attn_implementation=sdpa
+        actor_rollout_ref.actor.use_torch_compile=false
+    )
 fi
 
 # The pool mapping (stand-in): Ray starts with two GPU slots on a one-GPU node; tiny_run_setup.py maps the slot Ray
@@ -125,7 +149,9 @@ fi
 case "$BACKEND" in
     p2p)
         p2p_overrides
-        TINY_SYNC_ARGS=("hydra.searchpath=[pkg://verl.trainer.config,file://$P2P_ROOT/conf]" +p2p=default
+        overlay=default
+        [[ "$TRAINER" == fsdp ]] && overlay=fsdp  # conf/p2p/fsdp.yaml: the FSDP source's export
+        TINY_SYNC_ARGS=("hydra.searchpath=[pkg://verl.trainer.config,file://$P2P_ROOT/conf]" "+p2p=$overlay"
             "${P2P_OVERRIDES[@]}")
         ;;
     mooncake | nixl | control)

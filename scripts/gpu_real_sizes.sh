@@ -11,7 +11,11 @@
 #   bash scripts/gpu_real_sizes.sh cost DEPTH [QUANTS]   # scripts/cost_growth.py at one depth (JSON grows, PNG redrawn)
 #   bash scripts/gpu_real_sizes.sh dry           # any host: print what each step would run (the mem fractions, disk)
 #
-# The e2e's `--size real` is verl_p2p/e2e/real_sizes.py's REAL_SIZES, registered here when run.py lacks it.
+# The e2e's `--size real` is verl_p2p/e2e/real_sizes.py's REAL_SIZES. The GPU at hand decides the rest
+# (`real_sizes.gpu_step`, from nvidia-smi's memory.total; GPU_MIB in the dry step, default the H200's 143771): the
+# mem fraction, and for Qwen3-30B-A3B the depth (REAL_SIZES' 15 layers on an H200, fewer on an 80 GB H100, passed
+# as `--layers`); a step that does not fit is refused with the arithmetic. Reports are named after the GPU (h200,
+# h100).
 # An FP8 run writes four checkpoints (bf16 + FP8 of both weight sets): weight set 1 goes to $SHM (host memory)
 # through a symlink the e2e's mkdir keeps, since the disk does not hold all four (docs/measurements/real_sizes.md, "Disk").
 set -uo pipefail
@@ -29,6 +33,8 @@ py=python3
 if [ "$STEP" = dry ]; then
     py=${PYTHON:-.venv/bin/python}
     export PYTHONPATH="$root"
+    GPU_MIB=${GPU_MIB:-143771}
+    gpu=${GPU_NAME:-h200}
 else
     SITE21="$SITE21" bash scripts/gpu_stack_install.sh >"$OUT/install.txt" 2>&1 || {
         tail -30 "$OUT/install.txt"
@@ -37,21 +43,22 @@ else
     export PYTHONPATH="$SITE21:$root" CUDA_HOME=/usr/local/cuda MC_LOG_LEVEL=ERROR PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+    GPU_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+    gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -oiE 'h[0-9]+' | tr 'A-Z' 'a-z')
+    gpu=${gpu:-gpu}
     df -h /tmp /dev/shm | tee "$OUT/disk.txt"
 fi
 
-# mem_fraction_static and the weight set 1 bytes of a model and rollout quantization, from the one-GPU arithmetic
-budget() { # MODEL(deepseek_v3|qwen3_moe) QUANT -> "mem_fraction weights1_bytes", or a refusal on stderr
-    "$py" - "$1" "$2" <<'PY'
+# the depth, mem_fraction_static and weight set 1 bytes of a model and rollout quantization on this GPU, from the
+# one-GPU arithmetic (real_sizes.gpu_step)
+budget() { # MODEL(deepseek_v3|qwen3_moe) QUANT -> "mem_fraction weights1_bytes layers", or a refusal on stderr
+    "$py" - "$1" "$2" "$GPU_MIB" <<'PY'
 import sys
-from verl_p2p.e2e.real_sizes import REAL_SIZES, budget_of, deepseek_v3, qwen3_30b_a3b, sync_bytes
-model, quant = sys.argv[1], sys.argv[2]
-cfg = deepseek_v3() if model == "deepseek_v3" else qwen3_30b_a3b(REAL_SIZES["qwen3_moe"]["num_hidden_layers"])
-b = budget_of(cfg, quant)
-if not b.fits:
-    sys.exit(f"{model} {quant}: does not fit on one H200: {b.why}")
-sb = sync_bytes(cfg)
-print(b.mem_fraction, sb.bf16_bytes + (sb.fp8_bytes if quant == "fp8" else 0))
+from verl_p2p.e2e.real_sizes import gpu_step, usable_gpu_bytes
+step = gpu_step(sys.argv[1], sys.argv[2], gpu_bytes=usable_gpu_bytes(int(sys.argv[3])))
+if step.refusal:
+    sys.exit(f"does not fit: {step.refusal}")
+print(step.mem_fraction, step.weights1_bytes, step.layers)
 PY
 }
 
@@ -76,19 +83,24 @@ e2e() { # verl-p2p e2e at the real widths (`--size real`)
 }
 
 run_e2e() { # ARCH QUANT NAME
-    local arch=$1 quant=$2 name=$3 fraction bytes fp8=()
-    read -r fraction bytes < <(budget "$arch" "$quant") || exit 2
-    [ -n "$fraction" ] || exit 2
+    local arch=$1 quant=$2 name=${3//_GPU_/_${gpu}_} fraction bytes layers fp8=() result
+    if ! result=$(budget "$arch" "$quant" 2>"$OUT/budget.err"); then
+        echo "$name: $(tail -1 "$OUT/budget.err")" >&2
+        [ "$STEP" = dry ] && return 0  # the dry step lists every step, the refused ones on stderr
+        exit 2
+    fi
+    read -r fraction bytes layers <<<"$result"
     [ "$quant" = fp8 ] && fp8=(--fp8)
     if [ "$STEP" = dry ]; then
-        echo "$name: e2e --models $arch ${fp8[*]} --mem-fraction $fraction (weight set 1: $((bytes >> 30)) GiB)"
+        echo "$name: e2e --models $arch ${fp8[*]} --layers $layers --mem-fraction $fraction" \
+            "(weight set 1: $((bytes >> 30)) GiB)"
         return 0
     fi
     rm -rf "$WORK" "$SHM" && mkdir -p "$WORK"
     if [ "$quant" = fp8 ]; then
         weights1_to_shm "$arch" "$bytes" || exit 2
     fi
-    e2e --models "$arch" "${fp8[@]}" --mem-fraction "$fraction" --syncs 3 --raw-syncs 3 \
+    e2e --models "$arch" "${fp8[@]}" --layers "$layers" --mem-fraction "$fraction" --syncs 3 --raw-syncs 3 \
         --out "$OUT/$name.json" "$@" 2>&1 | tee "$OUT/$name.log"
     local status=${PIPESTATUS[0]}
     tar czf "$OUT/${name}_server_logs.tgz" "$WORK"/*/*.log 2>/dev/null
@@ -97,15 +109,15 @@ run_e2e() { # ARCH QUANT NAME
 }
 
 case "$STEP" in
-dsv3-fp8) run_e2e deepseek_v3 fp8 e2e_h200_sglang0521_deepseek_v3_real_fp8 "$@" ;;
-qwen3-bf16) run_e2e qwen3_moe bf16 e2e_h200_sglang0521_qwen3_30b_a3b_bf16 "$@" ;;
-qwen3-fp8) run_e2e qwen3_moe fp8 e2e_h200_sglang0521_qwen3_30b_a3b_fp8 "$@" ;;
+dsv3-fp8) run_e2e deepseek_v3 fp8 e2e_GPU_sglang0521_deepseek_v3_real_fp8 "$@" ;;
+qwen3-bf16) run_e2e qwen3_moe bf16 e2e_GPU_sglang0521_qwen3_30b_a3b_bf16 "$@" ;;
+qwen3-fp8) run_e2e qwen3_moe fp8 e2e_GPU_sglang0521_qwen3_30b_a3b_fp8 "$@" ;;
 cost)
     depth=${1:?cost DEPTH [QUANTS]}
     quants=${2:-bf16,fp8}
     # $OUT starts empty every call: the JSON grows in /tmp while the machine stays warm, seeded from the committed
     # one after a fresh start, and is copied back with the PNG
-    name=cost_growth_h200_qwen3_30b_a3b
+    name=cost_growth_${gpu}_qwen3_30b_a3b
     state=/tmp/$name.json
     [ -f "$state" ] || [ ! -f "docs/measurements/$name.json" ] || cp "docs/measurements/$name.json" "$state"
     rm -rf "$WORK" && mkdir -p "$WORK"

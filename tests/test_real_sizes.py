@@ -15,14 +15,17 @@ import torch
 
 from verl_p2p.e2e.real_sizes import (
     GIB,
+    H200_BYTES,
     REAL_SIZES,
     budget_of,
     deepseek_v3,
     disk_budget,
+    gpu_step,
     largest_depth,
     one_gpu_budget,
     qwen3_30b_a3b,
     sync_bytes,
+    usable_gpu_bytes,
 )
 from verl_p2p.planning.hf_names import hf_tensor_specs
 from verl_p2p.sandbox.tiny import tiny_config_dict
@@ -204,24 +207,54 @@ def test_cost_growth_refuses_bad_input_before_anything_runs(tmp_path):
         assert not out.exists()
 
 
-def test_gpu_steps_take_their_mem_fractions_from_the_arithmetic(tmp_path):
-    """scripts/gpu_real_sizes.sh's dry step prints each H200 e2e with the mem fraction `budget_of` computes."""
+@pytest.mark.parametrize(
+    "gpu_mib, name", [(143_771, "h200"), (81_559, "h100")], ids=["h200", "h100"]
+)  # nvidia-smi's memory.total of each
+def test_gpu_steps_take_their_depth_and_mem_fractions_from_the_arithmetic(tmp_path, gpu_mib, name):
+    """scripts/gpu_real_sizes.sh's dry step prints each e2e with the depth and mem fraction `gpu_step` computes for
+    the GPU at hand: REAL_SIZES' depth on an H200, the deepest an 80 GB H100 holds; a step that fits no single
+    mem fraction is refused with the arithmetic, on stderr."""
     done = subprocess.run(
         ["bash", str(ROOT / "scripts" / "gpu_real_sizes.sh"), "dry"],
         capture_output=True,
         text=True,
         timeout=300,
-        env=dict(os.environ, PYTHON=sys.executable, OUT=str(tmp_path)),
+        env=dict(os.environ, PYTHON=sys.executable, OUT=str(tmp_path), GPU_MIB=str(gpu_mib), GPU_NAME=name),
         cwd=ROOT,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    qwen3 = qwen3_30b_a3b(REAL_SIZES["qwen3_moe"]["num_hidden_layers"])
-    for line, fraction in (
-        ("dsv3-fp8: e2e --models deepseek_v3 --fp8", budget_of(deepseek_v3(), "fp8").mem_fraction),
-        ("qwen3-bf16: e2e --models qwen3_moe", budget_of(qwen3, "bf16").mem_fraction),
-        ("qwen3-fp8: e2e --models qwen3_moe --fp8", budget_of(qwen3, "fp8").mem_fraction),
+    gpu_bytes = usable_gpu_bytes(gpu_mib)
+    for step, model, quant in (
+        ("dsv3-fp8", "deepseek_v3", "fp8"),
+        ("qwen3-bf16", "qwen3_moe", "bf16"),
+        ("qwen3-fp8", "qwen3_moe", "fp8"),
     ):
-        assert f"{line} --mem-fraction {fraction}" in done.stdout.replace("  ", " "), done.stdout
+        planned = gpu_step(model, quant, gpu_bytes=gpu_bytes)
+        if planned.refusal:
+            assert f"{step}: does not fit: {planned.refusal}" in done.stderr, done.stderr
+            continue
+        fp8 = " --fp8" if quant == "fp8" else ""
+        line = f"{step}: e2e --models {model}{fp8} --layers {planned.layers} --mem-fraction {planned.mem_fraction}"
+        assert line in done.stdout.replace("  ", " "), done.stdout
+    if name == "h200":  # what docs/measurements/real_sizes.md plans
+        assert usable_gpu_bytes(gpu_mib) == H200_BYTES
+        assert gpu_step("qwen3_moe", "bf16").layers == REAL_SIZES["qwen3_moe"]["num_hidden_layers"]
+        assert not gpu_step("deepseek_v3", "fp8").refusal
+    else:
+        assert gpu_step("qwen3_moe", "bf16", gpu_bytes=gpu_bytes).layers == 7
+        assert gpu_step("qwen3_moe", "fp8", gpu_bytes=gpu_bytes).layers == 10
+        assert "no single mem_fraction" in gpu_step("deepseek_v3", "fp8", gpu_bytes=gpu_bytes).refusal
+
+
+def test_an_e2e_depth_below_one_layer_is_refused():
+    done = subprocess.run(
+        [sys.executable, "-m", "verl_p2p.e2e.run", "--layers", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert done.returncode == 2 and "--layers 0: a model needs at least one layer" in done.stderr
 
 
 def test_e2e_takes_size_real_with_the_real_shapes():

@@ -22,6 +22,8 @@ from verl_p2p.planning.model_cards import model_card
 
 GIB = 1 << 30
 H200_BYTES = 139 * GIB  # what one H200 reports usable (about 139 GiB of its 141 GB)
+# nvidia-smi's memory.total less what the driver keeps: the H200's 143,771 MiB give H200_BYTES
+DRIVER_RESERVE_BYTES = 143_771 * (1 << 20) - H200_BYTES
 QWEN3_30B_A3B_LAYERS = 48  # the published depth
 DEEPSEEK_V3_REAL_LAYERS = 2  # the first (dense) layer and one MoE layer
 
@@ -217,6 +219,43 @@ def largest_depth(rollout_quant: str, fresh_server: bool = True, disk: bool = Fa
         ):
             best = layers
     return best
+
+
+def usable_gpu_bytes(total_mib: int) -> int:
+    """The bytes `one_gpu_budget` may plan with on a GPU whose nvidia-smi memory.total is `total_mib`."""
+    return total_mib * (1 << 20) - DRIVER_RESERVE_BYTES
+
+
+@dataclass(frozen=True)
+class GpuStep:
+    """One real-size e2e on the GPU at hand: its depth, the mem fraction the arithmetic admits and the bytes of weight
+    set 1 (and its FP8 copy) that go to host memory; `refusal` says why it cannot run there instead."""
+
+    layers: int
+    mem_fraction: float | None
+    weights1_bytes: int
+    refusal: str
+
+
+def gpu_step(model: str, rollout_quant: str, gpu_bytes: int = H200_BYTES) -> GpuStep:
+    """The e2e of `model` ("deepseek_v3" or "qwen3_moe") on one GPU of `gpu_bytes`: DeepSeek-V3 at its two real
+    layers, Qwen3-30B-A3B at REAL_SIZES' depth or the deepest that GPU holds beside a fresh server."""
+    if model == "deepseek_v3":
+        layers = DEEPSEEK_V3_REAL_LAYERS
+    elif model == "qwen3_moe":
+        layers = min(
+            REAL_SIZES["qwen3_moe"]["num_hidden_layers"], largest_depth(rollout_quant, gpu_bytes=gpu_bytes) or 0
+        )
+    else:
+        raise ValueError(f"model {model!r}: the real-size steps run deepseek_v3 or qwen3_moe")
+    cfg = deepseek_v3(layers) if model == "deepseek_v3" else qwen3_30b_a3b(max(layers, 1))
+    budget = budget_of(cfg, rollout_quant, gpu_bytes=gpu_bytes)
+    sb = sync_bytes(cfg)
+    weights1 = sb.bf16_bytes + (sb.fp8_bytes if rollout_quant == "fp8" else 0)
+    refusal = (
+        "" if budget.fits and layers >= 1 else f"{model} {rollout_quant} on {gpu_bytes / GIB:.0f} GiB: {budget.why}"
+    )
+    return GpuStep(layers, budget.mem_fraction, weights1, refusal)
 
 
 def summary() -> dict[str, Any]:

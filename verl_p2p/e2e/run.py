@@ -110,6 +110,8 @@ class Harness(Drills):
         args = self.args
         self.dtype = "bfloat16" if args.rollout == "sglang" or args.fp8 else "float32"  # SGLang's FP8: bf16 rest
         overrides = SIZES[args.size][self.arch]
+        if args.layers is not None:
+            overrides = {**overrides, "num_hidden_layers": args.layers}
         t0 = time.perf_counter()
         self.checkpoint = write_tiny_checkpoint(
             self.workdir / "weights0",
@@ -424,6 +426,9 @@ def main(argv: list[str] | None = None) -> int:
         help=f"comma list of {', '.join(SIZES['tiny'])} (deepseek_v3: MLA, needs a rollout with sessions)",
     )
     parser.add_argument("--size", choices=tuple(SIZES), default=None, help="default: gpu for sglang, tiny for loopback")
+    parser.add_argument(
+        "--layers", type=int, default=None, help="the models' depth instead of the --size shape's (the GPU's room)"
+    )
     parser.add_argument("--device", choices=("cuda", "cpu"), default=None, help="trainer device (default by rollout)")
     parser.add_argument("--syncs", type=int, default=3, help="plain syncs before the drills (the first is checked)")
     parser.add_argument(
@@ -455,6 +460,8 @@ def main(argv: list[str] | None = None) -> int:
     unsized = [m for m in args.models if m not in SIZES[args.size]]
     if unsized:
         parser.error(f"--size {args.size} has no shape for {unsized}: use --models {','.join(SIZES[args.size])}")
+    if args.layers is not None and args.layers < 1:
+        parser.error(f"--layers {args.layers}: a model needs at least one layer")
     args.device = args.device or ("cuda" if args.rollout == "sglang" else "cpu")
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     if args.device == "cpu":

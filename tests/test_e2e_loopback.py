@@ -36,6 +36,7 @@ def test_e2e_harness_against_loopback(tmp_path):
     syncs = model["syncs"]
     assert syncs[0]["checks"][0] == {"name": "weights_checker_compare", "ok": True, "detail": ""}
     assert model["tensors_differing_between_sets"] > 0  # the two weight sets differ, so equal checksums mean something
+    assert model["one_server_at_a_time"] is False and model["rollout_started_s"] < model["fresh_stopped_s"]
     plain = [s for s in syncs if s["drill"] is None]
     assert len(plain) == 3 + 1 + 3 and all(s["outcome"] == "ok" for s in plain)  # 1: the raw-replay sync
     for s in plain:  # the pause holds no connect or prepare (plan, apply, first-push check), first sync included
@@ -71,6 +72,28 @@ def test_e2e_harness_against_loopback(tmp_path):
         assert drill["recovery_sync"]["outcome"] == "ok"
         recovered = drill["recovery_sync"]["checks"]
         assert recovered == {"checksums_equal_fresh_rollout": True, "no_stand_in_violations": True}
+
+
+@pytest.mark.slow
+def test_one_server_at_a_time_starts_the_rollout_under_test_after_the_fresh_one_stopped(tmp_path):
+    """`--one-server-at-a-time` (a model two servers cannot share the GPU with): the fresh rollout answers and stops
+    before the rollout under test starts, and every check still compares against it."""
+    out = tmp_path / "report.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MC_LOG_LEVEL": "ERROR"}
+    done = subprocess.run(
+        [sys.executable, "-m", "verl_p2p.cli", "e2e", "--rollout", "loopback", "--models", "qwen3", "--syncs", "2",
+         "--raw-syncs", "0", "--drills", "none", "--one-server-at-a-time", "--out", str(out),
+         "--workdir", str(tmp_path / "work")],
+        capture_output=True, text=True, timeout=900, cwd=tmp_path, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    model = json.loads(out.read_text())["models"]["qwen3"]
+    assert model["passed"] and model["one_server_at_a_time"] is True
+    assert model["rollout_started_s"] >= model["fresh_stopped_s"] > 0
+    assert model["tensors_differing_between_sets"] > 0
+    checks = [{c["name"]: c["ok"] for c in s["checks"]} for s in model["syncs"]]
+    assert len(checks) == 2 and all(c["checksums_equal_fresh_rollout"] for c in checks)
+    assert checks[0]["weights_checker_compare"] is True
 
 
 @pytest.mark.slow

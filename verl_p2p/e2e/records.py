@@ -1,4 +1,5 @@
-"""The e2e harness's record of one sync and the report's pause and raw-replay figures (issue 18's goals)."""
+"""The e2e harness's record of one sync, the report's pause and raw-replay figures (issue 18's goals) and its
+console form."""
 
 from __future__ import annotations
 
@@ -71,3 +72,32 @@ def pause_and_raw_figures(records: list[SyncRecord]) -> dict[str, Any]:
         if restarted:
             out["restart_over_steady"] = restarted[0].paused_s / steady_s
     return out
+
+
+def summary_text(results: dict[str, Any]) -> str:
+    """The report's console form: per model its syncs, their checks, the pause and raw-replay figures."""
+    lines = []
+    for arch, r in results.items():
+        lines.append(
+            f"{arch}: {'PASS' if r.get('passed') else 'FAIL'}  push {r.get('push_bytes')} B, "
+            f"median {r.get('push_gbps_median')} GB/s"
+        )
+        for s in r.get("syncs", []):
+            bad = [c["name"] for c in s["checks"] if not c["ok"]]
+            lines.append(
+                f"  sync {s['index']} weights {s['weights']} drill {s['drill'] or '-':13s} {s['outcome']:6s} "
+                f"paused {s['paused_s']:.3f}s  {'checks ok' if not bad else 'FAILED ' + ','.join(bad)}"
+                + (f"  error: {s['error'][:160]}" if s["error"] else "")
+            )
+        f = r.get("figures") or {}
+        if f:
+            lines.append(
+                f"  paused: first {f.get('first_sync_paused_s')} s, after trainer restart "
+                f"{f.get('first_after_trainer_restart_paused_s')} s, steady median "
+                f"{f.get('steady_state_paused_median_s')} s (first/steady {f.get('first_over_steady')}, "
+                f"restart/steady {f.get('restart_over_steady')}; goal 1.5); push/raw "
+                f"{f.get('push_over_raw_median')} (less export {f.get('push_over_raw_less_export_median')}; goal 1.25)"
+            )
+        if r.get("error"):
+            lines.append("  ERROR: " + r["error"].strip().splitlines()[-1])
+    return "\n".join(lines)

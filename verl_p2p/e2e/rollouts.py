@@ -231,14 +231,19 @@ class SGLangServer:
             except ProcessLookupError:
                 pass
             self._proc.wait(timeout=60)
-        deadline = time.monotonic() + 60
-        while self._proc is not None and _session_pids(self._proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.2)  # its children release the GPU memory and the ports as they go
+        self._wait_children_gone()
         if self._log is not None:
             self._log.close()
             self._log = None
         self.start()
         return self.wait_ready()
+
+    def _wait_children_gone(self, timeout_s: float = 60) -> None:
+        """Until no process of the server's session is left: its children release the GPU memory and the ports as
+        they go (a server started next, or a restart, needs both)."""
+        deadline = time.monotonic() + timeout_s
+        while self._proc is not None and _session_pids(self._proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
 
     def stop(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
@@ -251,6 +256,7 @@ class SGLangServer:
                     os.killpg(self._proc.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+            self._wait_children_gone()
         if self._log is not None:
             self._log.close()
             self._log = None

@@ -3,7 +3,9 @@
 Per model: write a checkpoint (weight set 0), start the rollout under test from it, start the trainer process
 (its Megatron model loaded from the same checkpoint), save weight set 1 as a checkpoint and start a FRESH rollout
 from it. Expectations come from the rollouts' own loads, never from the replica: set 0's checksums and greedy
-generation are the rollout's own before any sync, set 1's are the fresh rollout's. Then:
+generation are the rollout's own before any sync, set 1's are the fresh rollout's. With `--one-server-at-a-time`
+the fresh rollout answers and stops before the rollout under test starts, so the GPU holds one server at a time
+(the same checks). Then:
 
 1. sync set 0 with `check_weight_update_equal` (SGLang's weights_checker: snapshot -> reset_tensors -> sync ->
    compare must pass), then alternate sets 1 / 0 for the remaining syncs. Every sync: checksums equal the
@@ -37,7 +39,7 @@ from typing import Any
 
 from verl_p2p.e2e.checks import Check, Expectation, IndistinctWeightSetsError, require_distinct_generations
 from verl_p2p.e2e.drills import Drills
-from verl_p2p.e2e.records import SyncRecord, pause_and_raw_figures, paused_seconds
+from verl_p2p.e2e.records import SyncRecord, pause_and_raw_figures, paused_seconds, summary_text
 from verl_p2p.e2e.sizes import SIZES
 
 # the names tests and scripts import from here
@@ -137,24 +139,30 @@ class Harness(Drills):
         if args.fp8:  # the rollouts serve block-FP8 copies; the trainer keeps its bf16 model path
             self.config_fields["rollout_model_path"] = str(self.rollout_checkpoint)
             self.info["fp8"] = True
-        self.rollout = self._rollout(f"{self.arch}-rollout", self.rollout_checkpoint, 2 * self.index).start()
+        self.rollout = self._rollout(f"{self.arch}-rollout", self.rollout_checkpoint, 2 * self.index)
+        if not args.one_server_at_a_time:
+            self.rollout.start()  # loads beside the trainer and the fresh server
+            self.info["rollout_started_s"] = time.perf_counter() - t0
         self.trainer = self._trainer()
         ready = await asyncio.to_thread(self.trainer.wait_ready)
         weights1 = await asyncio.to_thread(self.trainer.call, "save", (1, str(self.workdir / "weights1")))
         weights1 = self._served(Path(weights1))
         self.fresh = self._rollout(f"{self.arch}-fresh-weights1", weights1, 2 * self.index + 1).start()
         self.info["trainer_params"] = ready["params"]
-        self.info["rollout_ready_s"] = await asyncio.to_thread(self.rollout.wait_ready)
         self.info["fresh_ready_s"] = await asyncio.to_thread(self.fresh.wait_ready)
-        self.info["setup_s"] = time.perf_counter() - t0
-        self.client = SGLangClient(self.rollout.url, bootstrap_url=self.rollout.bootstrap_url, timeout=60)
         fresh_client = SGLangClient(self.fresh.url, bootstrap_url=self.fresh.bootstrap_url, timeout=60)
-        self.expect = {
-            0: await self._expectation(self.rollout, self.client),
-            1: await self._expectation(self.fresh, fresh_client),
-        }
+        expect1 = await self._expectation(self.fresh, fresh_client)
         fresh_client.close()
         self.fresh.stop()  # frees its GPU memory; the expectation is kept
+        self.info["fresh_stopped_s"] = time.perf_counter() - t0
+        if args.one_server_at_a_time:
+            self.rollout.start()  # only now: one SGLang server on the GPU at a time
+            self.info["rollout_started_s"] = time.perf_counter() - t0
+        self.info["one_server_at_a_time"] = args.one_server_at_a_time
+        self.info["rollout_ready_s"] = await asyncio.to_thread(self.rollout.wait_ready)
+        self.info["setup_s"] = time.perf_counter() - t0
+        self.client = SGLangClient(self.rollout.url, bootstrap_url=self.rollout.bootstrap_url, timeout=60)
+        self.expect = {0: await self._expectation(self.rollout, self.client), 1: expect1}
         self.info["expected_generations"] = {k: e.generation for k, e in self.expect.items()}
         require_distinct_generations(self.arch, self.expect)
         self.info["checksummed_tensors"] = len(self.expect[0].checksums)
@@ -389,34 +397,6 @@ async def _run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     return results
 
 
-def _summary(results: dict[str, Any]) -> str:
-    lines = []
-    for arch, r in results.items():
-        lines.append(
-            f"{arch}: {'PASS' if r.get('passed') else 'FAIL'}  push {r.get('push_bytes')} B, "
-            f"median {r.get('push_gbps_median')} GB/s"
-        )
-        for s in r.get("syncs", []):
-            bad = [c["name"] for c in s["checks"] if not c["ok"]]
-            lines.append(
-                f"  sync {s['index']} weights {s['weights']} drill {s['drill'] or '-':13s} {s['outcome']:6s} "
-                f"paused {s['paused_s']:.3f}s  {'checks ok' if not bad else 'FAILED ' + ','.join(bad)}"
-                + (f"  error: {s['error'][:160]}" if s["error"] else "")
-            )
-        f = r.get("figures") or {}
-        if f:
-            lines.append(
-                f"  paused: first {f.get('first_sync_paused_s')} s, after trainer restart "
-                f"{f.get('first_after_trainer_restart_paused_s')} s, steady median "
-                f"{f.get('steady_state_paused_median_s')} s (first/steady {f.get('first_over_steady')}, "
-                f"restart/steady {f.get('restart_over_steady')}; goal 1.5); push/raw "
-                f"{f.get('push_over_raw_median')} (less export {f.get('push_over_raw_less_export_median')}; goal 1.25)"
-            )
-        if r.get("error"):
-            lines.append("  ERROR: " + r["error"].strip().splitlines()[-1])
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="verl-p2p e2e", description=__doc__.splitlines()[0])
     parser.add_argument("--rollout", choices=("sglang", "loopback"), default="loopback")
@@ -428,6 +408,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", choices=tuple(SIZES), default=None, help="default: gpu for sglang, tiny for loopback")
     parser.add_argument(
         "--layers", type=int, default=None, help="the models' depth instead of the --size shape's (the GPU's room)"
+    )
+    parser.add_argument(
+        "--one-server-at-a-time",
+        action="store_true",
+        help="the fresh reference server loads, answers and stops before the rollout under test starts (the same "
+        "checks, a longer set-up; what lets a model that two servers cannot share a GPU with be checked)",
     )
     parser.add_argument("--device", choices=("cuda", "cpu"), default=None, help="trainer device (default by rollout)")
     parser.add_argument("--syncs", type=int, default=3, help="plain syncs before the drills (the first is checked)")
@@ -485,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
             "passed": all(r.get("passed") for r in results.values()),
             "models": results,
         }
-    print(_summary(results))
+    print(summary_text(results))
     print(f"e2e: {'PASS' if report['passed'] else 'FAIL'} ({report['seconds']} s)")
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1, default=str))

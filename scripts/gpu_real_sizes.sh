@@ -8,6 +8,8 @@
 #   bash scripts/gpu_real_sizes.sh dsv3-fp8      # DeepSeek-V3 real widths (dense + MoE layer), block-FP8 rollout
 #   bash scripts/gpu_real_sizes.sh qwen3-bf16    # Qwen3-30B-A3B at REAL_SIZES' depth, bf16 rollout, every drill
 #   bash scripts/gpu_real_sizes.sh qwen3-fp8     # the same depth, block-FP8 rollout
+#   bash scripts/gpu_real_sizes.sh qwen3-bf16-24 # issue 35's floor (24 layers, 31 GB, 9,435 tensors a sync), bf16,
+#                                                # one server at a time (the fresh one stops before the one under test)
 #   bash scripts/gpu_real_sizes.sh cost DEPTH [QUANTS]   # scripts/cost_growth.py at one depth (JSON grows, PNG redrawn)
 #   bash scripts/gpu_real_sizes.sh dry           # any host: print what each step would run (the mem fractions, disk)
 #
@@ -21,7 +23,7 @@
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
-STEP=${1:?usage: gpu_real_sizes.sh dsv3-fp8|qwen3-bf16|qwen3-fp8|cost DEPTH [QUANTS]|dry}
+STEP=${1:?usage: gpu_real_sizes.sh dsv3-fp8|qwen3-bf16|qwen3-fp8|qwen3-bf16-24|cost DEPTH [QUANTS]|dry}
 shift
 OUT=${OUT:-/tmp/out}
 SITE21=${SITE21:-/tmp/site21}
@@ -51,11 +53,12 @@ fi
 
 # the depth, mem_fraction_static and weight set 1 bytes of a model and rollout quantization on this GPU, from the
 # one-GPU arithmetic (real_sizes.gpu_step)
-budget() { # MODEL(deepseek_v3|qwen3_moe) QUANT -> "mem_fraction weights1_bytes layers", or a refusal on stderr
-    "$py" - "$1" "$2" "$GPU_MIB" <<'PY'
+budget() { # MODEL(deepseek_v3|qwen3_moe) QUANT ONE_SERVER(0|1) -> "mem_fraction weights1_bytes layers", or a refusal
+    "$py" - "$1" "$2" "$GPU_MIB" "$3" <<'PY'
 import sys
 from verl_p2p.e2e.real_sizes import gpu_step, usable_gpu_bytes
-step = gpu_step(sys.argv[1], sys.argv[2], gpu_bytes=usable_gpu_bytes(int(sys.argv[3])))
+gpu_bytes = usable_gpu_bytes(int(sys.argv[3]))
+step = gpu_step(sys.argv[1], sys.argv[2], gpu_bytes=gpu_bytes, one_server=sys.argv[4] == "1")
 if step.refusal:
     sys.exit(f"does not fit: {step.refusal}")
 print(step.mem_fraction, step.weights1_bytes, step.layers)
@@ -82,22 +85,24 @@ e2e() { # verl-p2p e2e at the real widths (`--size real`)
         --transfer-timeout 120 --http-timeout 120 "$@"
 }
 
-run_e2e() { # ARCH QUANT NAME
-    local arch=$1 quant=$2 name=${3//_GPU_/_${gpu}_} fraction bytes layers fp8=() result
-    if ! result=$(budget "$arch" "$quant" 2>"$OUT/budget.err"); then
+run_e2e() { # ARCH QUANT NAME ONE_SERVER(0|1) [e2e arguments]
+    local arch=$1 quant=$2 name=${3//_GPU_/_${gpu}_} one=$4 fraction bytes layers fp8=() result
+    shift 4
+    if ! result=$(budget "$arch" "$quant" "$one" 2>"$OUT/budget.err"); then
         echo "$name: $(tail -1 "$OUT/budget.err")" >&2
         [ "$STEP" = dry ] && return 0  # the dry step lists every step, the refused ones on stderr
         exit 2
     fi
     read -r fraction bytes layers <<<"$result"
     [ "$quant" = fp8 ] && fp8=(--fp8)
+    [ "$one" = 1 ] && fp8+=(--one-server-at-a-time)
     if [ "$STEP" = dry ]; then
         echo "$name: e2e --models $arch ${fp8[*]} --layers $layers --mem-fraction $fraction" \
             "(weight set 1: $((bytes >> 30)) GiB)"
         return 0
     fi
     rm -rf "$WORK" "$SHM" && mkdir -p "$WORK"
-    if [ "$quant" = fp8 ]; then
+    if [ "$quant" = fp8 ] || [ "$one" = 1 ]; then  # the disk holds no four FP8 checkpoints, nor 2 x 31 GB
         weights1_to_shm "$arch" "$bytes" || exit 2
     fi
     e2e --models "$arch" "${fp8[@]}" --layers "$layers" --mem-fraction "$fraction" --syncs 3 --raw-syncs 3 \
@@ -109,9 +114,10 @@ run_e2e() { # ARCH QUANT NAME
 }
 
 case "$STEP" in
-dsv3-fp8) run_e2e deepseek_v3 fp8 e2e_GPU_sglang0521_deepseek_v3_real_fp8 "$@" ;;
-qwen3-bf16) run_e2e qwen3_moe bf16 e2e_GPU_sglang0521_qwen3_30b_a3b_bf16 "$@" ;;
-qwen3-fp8) run_e2e qwen3_moe fp8 e2e_GPU_sglang0521_qwen3_30b_a3b_fp8 "$@" ;;
+dsv3-fp8) run_e2e deepseek_v3 fp8 e2e_GPU_sglang0521_deepseek_v3_real_fp8 0 "$@" ;;
+qwen3-bf16) run_e2e qwen3_moe bf16 e2e_GPU_sglang0521_qwen3_30b_a3b_bf16 0 "$@" ;;
+qwen3-fp8) run_e2e qwen3_moe fp8 e2e_GPU_sglang0521_qwen3_30b_a3b_fp8 0 "$@" ;;
+qwen3-bf16-24) run_e2e qwen3_moe bf16 e2e_GPU_sglang0521_qwen3_30b_a3b_bf16_floor 1 "$@" ;;
 cost)
     depth=${1:?cost DEPTH [QUANTS]}
     quants=${2:-bf16,fp8}
@@ -130,14 +136,16 @@ cost)
     exit "$status"
     ;;
 dry)
-    for s in "deepseek_v3 fp8 dsv3-fp8" "qwen3_moe bf16 qwen3-bf16" "qwen3_moe fp8 qwen3-fp8"; do
+    for s in "deepseek_v3 fp8 dsv3-fp8 0" "qwen3_moe bf16 qwen3-bf16 0" "qwen3_moe fp8 qwen3-fp8 0" \
+        "qwen3_moe bf16 qwen3-bf16-24 1"; do
         # shellcheck disable=SC2086
         run_e2e $s
     done
     "$py" -m verl_p2p.e2e.real_sizes | "$py" -c 'import json, sys; print(json.load(sys.stdin)["largest_qwen3_30b_a3b_depth"])'
     ;;
 *)
-    echo "gpu_real_sizes.sh: unknown step '$STEP' (dsv3-fp8, qwen3-bf16, qwen3-fp8, cost DEPTH [QUANTS], dry)" >&2
+    echo "gpu_real_sizes.sh: unknown step '$STEP' (dsv3-fp8, qwen3-bf16, qwen3-fp8, qwen3-bf16-24, cost DEPTH [QUANTS]," \
+        "dry)" >&2
     exit 2
     ;;
 esac

@@ -16,6 +16,7 @@ import torch
 from verl_p2p.e2e.real_sizes import (
     GIB,
     H200_BYTES,
+    QWEN3_FLOOR_LAYERS,
     REAL_SIZES,
     budget_of,
     deepseek_v3,
@@ -224,25 +225,30 @@ def test_gpu_steps_take_their_depth_and_mem_fractions_from_the_arithmetic(tmp_pa
     )
     assert done.returncode == 0, done.stderr[-2000:]
     gpu_bytes = usable_gpu_bytes(gpu_mib)
-    for step, model, quant in (
-        ("dsv3-fp8", "deepseek_v3", "fp8"),
-        ("qwen3-bf16", "qwen3_moe", "bf16"),
-        ("qwen3-fp8", "qwen3_moe", "fp8"),
+    for step, model, quant, one in (
+        ("dsv3-fp8", "deepseek_v3", "fp8", False),
+        ("qwen3-bf16", "qwen3_moe", "bf16", False),
+        ("qwen3-fp8", "qwen3_moe", "fp8", False),
+        ("qwen3-bf16-24", "qwen3_moe", "bf16", True),
     ):
-        planned = gpu_step(model, quant, gpu_bytes=gpu_bytes)
+        planned = gpu_step(model, quant, gpu_bytes=gpu_bytes, one_server=one)
         if planned.refusal:
             assert f"{step}: does not fit: {planned.refusal}" in done.stderr, done.stderr
             continue
-        fp8 = " --fp8" if quant == "fp8" else ""
+        fp8 = (" --fp8" if quant == "fp8" else "") + (" --one-server-at-a-time" if one else "")
         line = f"{step}: e2e --models {model}{fp8} --layers {planned.layers} --mem-fraction {planned.mem_fraction}"
         assert line in done.stdout.replace("  ", " "), done.stdout
     if name == "h200":  # what docs/measurements/real_sizes.md plans
         assert usable_gpu_bytes(gpu_mib) == H200_BYTES
         assert gpu_step("qwen3_moe", "bf16").layers == REAL_SIZES["qwen3_moe"]["num_hidden_layers"]
         assert not gpu_step("deepseek_v3", "fp8").refusal
+        floor = gpu_step("qwen3_moe", "bf16", one_server=True)  # issue 35's floor, one server at a time
+        assert floor.layers == QWEN3_FLOOR_LAYERS == 24 and not floor.refusal
+        assert not budget_of(qwen3_30b_a3b(24), "bf16").fits  # beside a fresh server it would not fit
     else:
         assert gpu_step("qwen3_moe", "bf16", gpu_bytes=gpu_bytes).layers == 7
         assert gpu_step("qwen3_moe", "fp8", gpu_bytes=gpu_bytes).layers == 10
+        assert gpu_step("qwen3_moe", "bf16", gpu_bytes=gpu_bytes, one_server=True).layers == 18
         assert "no single mem_fraction" in gpu_step("deepseek_v3", "fp8", gpu_bytes=gpu_bytes).refusal
 
 

@@ -26,6 +26,9 @@ H200_BYTES = 139 * GIB  # what one H200 reports usable (about 139 GiB of its 141
 DRIVER_RESERVE_BYTES = 143_771 * (1 << 20) - H200_BYTES
 QWEN3_30B_A3B_LAYERS = 48  # the published depth
 DEEPSEEK_V3_REAL_LAYERS = 2  # the first (dense) layer and one MoE layer
+QWEN3_FLOOR_LAYERS = (
+    24  # issue 35's floor for one sync: >= 9,000 tensors and >= 28 GB (docs/measurements/real_sizes.md)
+)
 
 
 def qwen3_30b_a3b(num_hidden_layers: int = QWEN3_30B_A3B_LAYERS) -> dict[str, Any]:
@@ -237,19 +240,20 @@ class GpuStep:
     refusal: str
 
 
-def gpu_step(model: str, rollout_quant: str, gpu_bytes: int = H200_BYTES) -> GpuStep:
+def gpu_step(model: str, rollout_quant: str, gpu_bytes: int = H200_BYTES, one_server: bool = False) -> GpuStep:
     """The e2e of `model` ("deepseek_v3" or "qwen3_moe") on one GPU of `gpu_bytes`: DeepSeek-V3 at its two real
-    layers, Qwen3-30B-A3B at REAL_SIZES' depth or the deepest that GPU holds beside a fresh server."""
+    layers; Qwen3-30B-A3B at REAL_SIZES' depth, or with `one_server` (the e2e's --one-server-at-a-time: the fresh
+    server never beside the one under test) at issue 35's floor; the deepest that GPU holds where that is less."""
+    fresh = not one_server
     if model == "deepseek_v3":
         layers = DEEPSEEK_V3_REAL_LAYERS
     elif model == "qwen3_moe":
-        layers = min(
-            REAL_SIZES["qwen3_moe"]["num_hidden_layers"], largest_depth(rollout_quant, gpu_bytes=gpu_bytes) or 0
-        )
+        wanted = QWEN3_FLOOR_LAYERS if one_server else REAL_SIZES["qwen3_moe"]["num_hidden_layers"]
+        layers = min(wanted, largest_depth(rollout_quant, fresh, gpu_bytes=gpu_bytes) or 0)
     else:
         raise ValueError(f"model {model!r}: the real-size steps run deepseek_v3 or qwen3_moe")
     cfg = deepseek_v3(layers) if model == "deepseek_v3" else qwen3_30b_a3b(max(layers, 1))
-    budget = budget_of(cfg, rollout_quant, gpu_bytes=gpu_bytes)
+    budget = budget_of(cfg, rollout_quant, fresh, gpu_bytes=gpu_bytes)
     sb = sync_bytes(cfg)
     weights1 = sb.bf16_bytes + (sb.fp8_bytes if rollout_quant == "fp8" else 0)
     refusal = (

@@ -3,7 +3,8 @@
 # (recipes/tiny_grpo_2gpu.sh): SGLang 0.5.12 with its CUDA kernels, Mooncake (CUDA 13 build), verl 0.9.1 and its
 # runtime needs, Ray, megatron-core and Megatron-Bridge. The device has no network and takes at most 64 MiB per
 # call, so the set is installed here into one folder (pip --target, x86-64 manylinux wheels for CPython 3.12),
-# pruned, packed as tar.xz and split into parts of at most 60 MiB.
+# pruned, packed as tar.xz and split into parts of at most PART_MIB (48) MiB: a device call carries 64 MiB with the
+# working tree (about 4 MB), and a 60 MiB part no longer fit beside it (session 16).
 #
 # Usage: bash scripts/gpu_wheels.sh [DEST]        (DEST defaults to .gpu-grpo/, git-ignored)
 #        bash scripts/gpu_wheels.sh --sglang 0.5.21 [DEST]   (DEST defaults to .gpu-stack-0521/; see build_0521 below)
@@ -24,6 +25,7 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 sglang_version=0.5.12
+PART_MIB=${PART_MIB:-48}
 nixl=0
 if [[ "${1:-}" == --nixl ]]; then
     nixl=1
@@ -185,7 +187,7 @@ build_0521() {
     done
     # Largest first: the big wheels fill whole parts; the split is of a plain tar (the wheels are zips already).
     (cd "$carry" && ls -S -- *.whl >"$dest/wheels.txt")
-    tar -C "$carry" -cf - -T "$dest/wheels.txt" | split -b 60M - "$dest/part."
+    tar -C "$carry" -cf - -T "$dest/wheels.txt" | split -b "${PART_MIB}M" - "$dest/part."
     (cd "$dest" && sha256sum part.* >parts.sha256)
     rm -rf "$carry"
     ls -la "$dest"/part.*
@@ -205,7 +207,7 @@ if ((nixl)); then
         "$dest"/wheels/*.whl
     rm -rf "$dest/site/bin" "$dest/site/include" "$dest/site/share"
     find "$dest/site" -name __pycache__ -type d -prune -exec rm -rf {} +
-    tar -C "$dest" -cf - site | xz -T0 -6 | split -b 60M - "$dest/part."
+    tar -C "$dest" -cf - site | xz -T0 -6 | split -b "${PART_MIB}M" - "$dest/part."
     ls -la "$dest"/part.*
     exit 0
 fi
@@ -255,6 +257,6 @@ find "$site" -name __pycache__ -type d -prune -exec rm -rf {} +
 find "$site" -path '*/tests/*' -name 'test_*.py' -delete
 
 du -sh "$site"
-tar -C "$dest" -cf - site | xz -T0 -6 | split -b 60M - "$dest/part."
+tar -C "$dest" -cf - site | xz -T0 -6 | split -b "${PART_MIB}M" - "$dest/part."
 ls -la "$dest"/part.*
-echo "$(ls "$dest"/part.* | wc -l) part(s) of at most 60 MiB in $dest: one device call per part (see recipes/README.md)"
+echo "$(ls "$dest"/part.* | wc -l) part(s) of at most $PART_MIB MiB in $dest: one device call per part (see recipes/README.md)"

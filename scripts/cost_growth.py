@@ -231,7 +231,9 @@ def e2e_args(
 ) -> argparse.Namespace:
     """The namespace `verl-p2p e2e` would parse for this depth: one model, the kill drill only (its recovery sync
     is the first after a trainer restart), `--raw-syncs` raw-replay syncs."""
-    return argparse.Namespace(
+    from verl_p2p.e2e.run import harness_args
+
+    return harness_args(
         rollout=args.rollout,
         models=["qwen3_moe"],
         size=size_key,
@@ -240,16 +242,12 @@ def e2e_args(
         raw_syncs=args.raw_syncs,
         drills=["kill"],
         bucket_mb=args.bucket_mb,
-        staging="auto",
-        executor="compiled",
         transfer_timeout=args.transfer_timeout,
         http_timeout=args.http_timeout,
         bootstrap_port=args.bootstrap_port,
         mem_fraction=mem_fraction,
-        seed=0,
         fp8=quant == "fp8",
         workdir=str(workdir),
-        out=None,
     )
 
 

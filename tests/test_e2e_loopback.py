@@ -120,3 +120,16 @@ def test_e2e_harness_takes_glm45_and_refuses_deepseek_v3_into_a_rollout_without_
     assert "w_kc/w_vc" in error and "nothing was written" in error and "SGLang >= 0.5.21" in error, error
     checks = {c["name"]: c["ok"] for c in dsv3["syncs"][0]["checks"]}
     assert checks["server_serviceable_after_failure"] and checks["unknown_weights_not_served"], checks
+
+
+def test_harness_args_are_the_e2e_options_at_their_defaults_and_refuse_an_unknown_field():
+    """The soak and cost growth build their Harness through `harness_args`: an e2e option added later reaches them
+    at its default (a hand-built namespace missed `--layers` and `--one-server-at-a-time` and the soak broke)."""
+    from verl_p2p.e2e.run import build_parser, harness_args
+
+    args = harness_args(syncs=5, drills=[])
+    defaults = vars(build_parser().parse_args([]))
+    assert vars(args) == {**defaults, "syncs": 5, "drills": []}
+    assert args.layers is None and args.one_server_at_a_time is False
+    with pytest.raises(TypeError, match="probe_timeout"):
+        harness_args(probe_timeout=1.0)

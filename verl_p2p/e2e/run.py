@@ -397,7 +397,7 @@ async def _run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     return results
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="verl-p2p e2e", description=__doc__.splitlines()[0])
     parser.add_argument("--rollout", choices=("sglang", "loopback"), default="loopback")
     parser.add_argument(
@@ -436,6 +436,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--out", default=None, help="write the JSON report here")
+    return parser
+
+
+def harness_args(**fields: Any) -> argparse.Namespace:
+    """The namespace `verl-p2p e2e` parses, for a Harness built in code (the soak, cost growth): every option at its
+    default with `fields` on top (lists where the command line takes comma lists). A field the e2e does not have is
+    refused, so an option added here is never missing there."""
+    args = build_parser().parse_args([])
+    unknown = sorted(set(fields) - set(vars(args)))
+    if unknown:
+        raise TypeError(f"harness_args: {unknown} are not options of verl-p2p e2e")
+    vars(args).update(fields)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     args.models = [m for m in args.models.split(",") if m]
     args.drills = [] if args.drills in ("", "none") else args.drills.split(",")

@@ -30,7 +30,6 @@ one, whose first `--warmup` syncs are left out too); RSS, fds or threads growing
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -123,29 +122,24 @@ class RealSoak:
     """The harness, the fault schedule and the bookkeeping of one run."""
 
     def __init__(self, options: RealSoakOptions, workdir: Path) -> None:
-        from verl_p2p.e2e.run import Harness
+        from verl_p2p.e2e.run import Harness, harness_args
 
         self.options, self.log = options, options.log
         if options.size is None:
             options.size = "gpu" if options.rollout == "sglang" else "tiny"
-        args = argparse.Namespace(
+        args = harness_args(
             rollout=options.rollout,
+            models=[options.model],
             size=options.size,
             device="cuda" if options.rollout == "sglang" else "cpu",
             syncs=options.syncs,
             drills=[],
-            bucket_mb=16,
-            staging="auto",
-            executor="compiled",
             transfer_timeout=options.transfer_timeout,
             http_timeout=options.http_timeout,
-            bootstrap_port=26789,
             mem_fraction=options.mem_fraction,
-            seed=0,
-            probe_timeout=options.probe_timeout,
-            fp8=False,  # the soak's rollout serves the trainer's own bf16 checkpoint
             raw_syncs=0,  # no raw-replay figures: every sync is a plain one
-        )
+        )  # the soak's rollout serves the trainer's own bf16 checkpoint (fp8 off, the e2e's default)
+        args.probe_timeout = options.probe_timeout  # the soak's own: how long the drills wait on a probe
         (workdir / options.model).mkdir(parents=True, exist_ok=True)
         self.harness = Harness(args, options.model, 0, workdir / options.model)
         self.restarts: Counter = Counter()

@@ -208,23 +208,23 @@ def test_cost_growth_refuses_bad_input_before_anything_runs(tmp_path):
         assert not out.exists()
 
 
-@pytest.mark.parametrize(
-    "gpu_mib, name", [(143_771, "h200"), (81_559, "h100")], ids=["h200", "h100"]
-)  # nvidia-smi's memory.total of each
-def test_gpu_steps_take_their_depth_and_mem_fractions_from_the_arithmetic(tmp_path, gpu_mib, name):
+H100_MIB = 81_559  # nvidia-smi's memory.total of an H100 80GB (the H200's: 143,771)
+
+
+def test_gpu_steps_take_their_depth_and_mem_fractions_from_the_arithmetic(tmp_path):
     """scripts/gpu_real_sizes.sh's dry step prints each e2e with the depth and mem fraction `gpu_step` computes for
-    the GPU at hand: REAL_SIZES' depth on an H200, the deepest an 80 GB H100 holds; a step that fits no single
-    mem fraction is refused with the arithmetic, on stderr."""
+    the GPU it is told of (here an 80 GB H100, the GPU offered when no H200 starts); a step that fits no single mem
+    fraction is refused with the arithmetic, on stderr. One run of the script: it starts a Python per step."""
     done = subprocess.run(
         ["bash", str(ROOT / "scripts" / "gpu_real_sizes.sh"), "dry"],
         capture_output=True,
         text=True,
         timeout=300,
-        env=dict(os.environ, PYTHON=sys.executable, OUT=str(tmp_path), GPU_MIB=str(gpu_mib), GPU_NAME=name),
+        env=dict(os.environ, PYTHON=sys.executable, OUT=str(tmp_path), GPU_MIB=str(H100_MIB), GPU_NAME="h100"),
         cwd=ROOT,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    gpu_bytes = usable_gpu_bytes(gpu_mib)
+    gpu_bytes = usable_gpu_bytes(H100_MIB)
     for step, model, quant, one in (
         ("dsv3-fp8", "deepseek_v3", "fp8", False),
         ("qwen3-bf16", "qwen3_moe", "bf16", False),
@@ -238,18 +238,21 @@ def test_gpu_steps_take_their_depth_and_mem_fractions_from_the_arithmetic(tmp_pa
         fp8 = (" --fp8" if quant == "fp8" else "") + (" --one-server-at-a-time" if one else "")
         line = f"{step}: e2e --models {model}{fp8} --layers {planned.layers} --mem-fraction {planned.mem_fraction}"
         assert line in done.stdout.replace("  ", " "), done.stdout
-    if name == "h200":  # what docs/measurements/real_sizes.md plans
-        assert usable_gpu_bytes(gpu_mib) == H200_BYTES
-        assert gpu_step("qwen3_moe", "bf16").layers == REAL_SIZES["qwen3_moe"]["num_hidden_layers"]
-        assert not gpu_step("deepseek_v3", "fp8").refusal
-        floor = gpu_step("qwen3_moe", "bf16", one_server=True)  # issue 35's floor, one server at a time
-        assert floor.layers == QWEN3_FLOOR_LAYERS == 24 and not floor.refusal
-        assert not budget_of(qwen3_30b_a3b(24), "bf16").fits  # beside a fresh server it would not fit
-    else:
-        assert gpu_step("qwen3_moe", "bf16", gpu_bytes=gpu_bytes).layers == 7
-        assert gpu_step("qwen3_moe", "fp8", gpu_bytes=gpu_bytes).layers == 10
-        assert gpu_step("qwen3_moe", "bf16", gpu_bytes=gpu_bytes, one_server=True).layers == 18
-        assert "no single mem_fraction" in gpu_step("deepseek_v3", "fp8", gpu_bytes=gpu_bytes).refusal
+    assert gpu_step("qwen3_moe", "bf16", gpu_bytes=gpu_bytes).layers == 7
+    assert gpu_step("qwen3_moe", "fp8", gpu_bytes=gpu_bytes).layers == 10
+    assert gpu_step("qwen3_moe", "bf16", gpu_bytes=gpu_bytes, one_server=True).layers == 18
+    assert "no single mem_fraction" in gpu_step("deepseek_v3", "fp8", gpu_bytes=gpu_bytes).refusal
+
+
+def test_on_an_h200_the_steps_are_what_real_sizes_md_plans():
+    assert usable_gpu_bytes(143_771) == H200_BYTES  # the H200's memory.total gives the budget's 139 GiB
+    assert gpu_step("qwen3_moe", "bf16").layers == REAL_SIZES["qwen3_moe"]["num_hidden_layers"] == 15
+    assert gpu_step("qwen3_moe", "bf16").mem_fraction == budget_of(qwen3_30b_a3b(15), "bf16").mem_fraction
+    dsv3 = gpu_step("deepseek_v3", "fp8")
+    assert not dsv3.refusal and dsv3.mem_fraction == budget_of(deepseek_v3(), "fp8").mem_fraction
+    floor = gpu_step("qwen3_moe", "bf16", one_server=True)  # issue 35's floor, one server at a time
+    assert floor.layers == QWEN3_FLOOR_LAYERS == 24 and not floor.refusal and floor.mem_fraction == 0.42
+    assert not budget_of(qwen3_30b_a3b(24), "bf16").fits  # beside a fresh server it would not fit
 
 
 def test_an_e2e_depth_below_one_layer_is_refused():

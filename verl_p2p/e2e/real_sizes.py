@@ -13,6 +13,7 @@ is written or launched.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -176,11 +177,14 @@ def one_gpu_budget(
     )
 
 
-def budget_of(cfg: Mapping[str, Any], rollout_quant: str, fresh_server: bool = True, **kwargs: Any) -> GpuBudget:
-    """`one_gpu_budget` of a config: a bf16 trainer and a `rollout_quant` ("bf16" or "fp8") rollout."""
+def budget_of(
+    cfg: Mapping[str, Any] | SyncBytes, rollout_quant: str, fresh_server: bool = True, **kwargs: Any
+) -> GpuBudget:
+    """`one_gpu_budget` of a config (or its `sync_bytes`): a bf16 trainer and a `rollout_quant` ("bf16" or "fp8")
+    rollout."""
     if rollout_quant not in ("bf16", "fp8"):
         raise ValueError(f"rollout_quant={rollout_quant!r}: choose 'bf16' or 'fp8'")
-    sb = sync_bytes(cfg)
+    sb = cfg if isinstance(cfg, SyncBytes) else sync_bytes(cfg)
     served = sb.bf16_bytes if rollout_quant == "bf16" else sb.fp8_bytes
     return one_gpu_budget(sb.bf16_bytes, served, fresh_server=fresh_server, **kwargs)
 
@@ -203,9 +207,12 @@ class DiskBudget:
 
 
 def disk_budget(
-    cfg: Mapping[str, Any], rollout_quant: str, disk_bytes: int = DISK_BYTES, reserve_bytes: int = DISK_RESERVE_BYTES
+    cfg: Mapping[str, Any] | SyncBytes,
+    rollout_quant: str,
+    disk_bytes: int = DISK_BYTES,
+    reserve_bytes: int = DISK_RESERVE_BYTES,
 ) -> DiskBudget:
-    sb = sync_bytes(cfg)
+    sb = cfg if isinstance(cfg, SyncBytes) else sync_bytes(cfg)
     written = 2 * sb.bf16_bytes + (2 * sb.fp8_bytes if rollout_quant == "fp8" else 0)
     free = disk_bytes - reserve_bytes
     return DiskBudget(written, free, written <= free)
@@ -216,12 +223,19 @@ def largest_depth(rollout_quant: str, fresh_server: bool = True, disk: bool = Fa
     on the machine's disk), None when not even one layer does."""
     best = None
     for layers in range(1, QWEN3_30B_A3B_LAYERS + 1):
-        cfg = qwen3_30b_a3b(layers)
-        if budget_of(cfg, rollout_quant, fresh_server, **kwargs).fits and (
-            not disk or disk_budget(cfg, rollout_quant).fits
+        sb = qwen3_sync_bytes(layers)
+        if budget_of(sb, rollout_quant, fresh_server, **kwargs).fits and (
+            not disk or disk_budget(sb, rollout_quant).fits
         ):
             best = layers
     return best
+
+
+@functools.cache
+def qwen3_sync_bytes(layers: int) -> SyncBytes:
+    """`sync_bytes` of Qwen3-30B-A3B at a depth, kept: a pure function of the depth that `largest_depth` asks for
+    every depth of every budget (it lists every HF tensor; uncached, the dry step's summary took 19 s)."""
+    return sync_bytes(qwen3_30b_a3b(layers))
 
 
 def usable_gpu_bytes(total_mib: int) -> int:

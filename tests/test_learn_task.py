@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from omegaconf import OmegaConf, open_dict
-from support.compose import ROOT, compose_config, recipe_command
+from omegaconf import open_dict
+from support.compose import ROOT, compose_config, recipe_command, task_config
 
 LEARN = ROOT / "recipes" / "learn"
 
@@ -46,13 +46,7 @@ def learn_dir(tmp_path_factory) -> Path:
 def composed_task(**env: str):
     """The learn recipe's config as one_step_off's TaskRunner gets it (the rollout section filled by main())."""
     module, args = recipe_command(ROOT / "recipes" / "learn_grpo.sh", **env)
-    cfg = compose_config(module, args)
-    with open_dict(cfg):
-        del cfg["hydra"]
-    cfg.actor_rollout_ref.rollout.nnodes = cfg.rollout.nnodes
-    cfg.actor_rollout_ref.rollout.n_gpus_per_node = cfg.rollout.n_gpus_per_node
-    OmegaConf.resolve(cfg)
-    return cfg
+    return task_config(compose_config(module, args))
 
 
 @pytest.fixture(scope="module")

@@ -27,9 +27,8 @@ H200_BYTES = 139 * GIB  # what one H200 reports usable (about 139 GiB of its 141
 DRIVER_RESERVE_BYTES = 143_771 * (1 << 20) - H200_BYTES
 QWEN3_30B_A3B_LAYERS = 48  # the published depth
 DEEPSEEK_V3_REAL_LAYERS = 2  # the first (dense) layer and one MoE layer
-QWEN3_FLOOR_LAYERS = (
-    24  # issue 35's floor for one sync: >= 9,000 tensors and >= 28 GB (docs/measurements/real_sizes.md)
-)
+# issue 35's floor for one sync: >= 9,000 tensors and >= 28 GB (docs/measurements/real_sizes.md)
+QWEN3_FLOOR_LAYERS = 24
 
 
 def qwen3_30b_a3b(num_hidden_layers: int = QWEN3_30B_A3B_LAYERS) -> dict[str, Any]:
@@ -266,9 +265,8 @@ def gpu_step(model: str, rollout_quant: str, gpu_bytes: int = H200_BYTES, one_se
         layers = min(wanted, largest_depth(rollout_quant, fresh, gpu_bytes=gpu_bytes) or 0)
     else:
         raise ValueError(f"model {model!r}: the real-size steps run deepseek_v3 or qwen3_moe")
-    cfg = deepseek_v3(layers) if model == "deepseek_v3" else qwen3_30b_a3b(max(layers, 1))
-    budget = budget_of(cfg, rollout_quant, fresh, gpu_bytes=gpu_bytes)
-    sb = sync_bytes(cfg)
+    sb = sync_bytes(deepseek_v3(layers)) if model == "deepseek_v3" else qwen3_sync_bytes(max(layers, 1))
+    budget = budget_of(sb, rollout_quant, fresh, gpu_bytes=gpu_bytes)
     weights1 = sb.bf16_bytes + (sb.fp8_bytes if rollout_quant == "fp8" else 0)
     refusal = (
         "" if budget.fits and layers >= 1 else f"{model} {rollout_quant} on {gpu_bytes / GIB:.0f} GiB: {budget.why}"

@@ -173,16 +173,53 @@ def freest_gpu() -> str:
         return "0"
 
 
+class HFExport:
+    """Where a verl save of `step` puts its HF model, and when it is complete. Megatron: actor/model/huggingface,
+    complete once rank 0 wrote its manifest (ckpt_contents.json, written last). FSDP (save_contents 'hf_model'):
+    actor/huggingface, complete once the trainer recorded the step in latest_checkpointed_iteration.txt (written
+    after every rank's save returned); its config.json alone is written on every save and proves nothing."""
+
+    def __init__(self, ckpts: Path, step: int) -> None:
+        self.ckpts, self.step = ckpts, step
+
+    def actor(self) -> Path:
+        return self.ckpts / f"global_step_{self.step}" / "actor"
+
+    def megatron(self) -> bool:
+        return (self.actor() / "model").is_dir() or (self.actor() / "ckpt_contents.json").exists()
+
+    def hf_dir(self) -> Path:
+        return self.actor() / "model" / "huggingface" if self.megatron() else self.actor() / "huggingface"
+
+    def waits_for(self) -> str:
+        if self.megatron():
+            return f"manifest {self.actor() / 'ckpt_contents.json'}"
+        latest = self.ckpts / "latest_checkpointed_iteration.txt"
+        return f"step {self.step} in {latest} and safetensors in {self.hf_dir()}"
+
+    def complete(self) -> bool:
+        if not (self.hf_dir() / "config.json").exists():
+            return False
+        if self.megatron():
+            return (self.actor() / "ckpt_contents.json").exists()
+        latest = self.ckpts / "latest_checkpointed_iteration.txt"
+        try:
+            saved = int(latest.read_text().strip())
+        except (OSError, ValueError):
+            return False
+        return saved >= self.step and any(self.hf_dir().glob("*.safetensors"))
+
+
 def cmd_fresh(args) -> int:
     out = Path(args.out)
-    step_dir = Path(args.ckpts) / f"global_step_{args.step}" / "actor"
-    hf_dir, manifest, done = step_dir / "model" / "huggingface", step_dir / "ckpt_contents.json", Path(args.done_file)
-    result: dict = {"hf_dir": str(hf_dir), "version": str(args.version), "equal": False}
     deadline = time.monotonic() + args.timeout
-    while not manifest.exists() and not done.exists() and time.monotonic() < deadline:
+    export, done = HFExport(Path(args.ckpts), args.step), Path(args.done_file)
+    while not export.complete() and not done.exists() and time.monotonic() < deadline:
         time.sleep(1)
-    if not manifest.exists() or not (hf_dir / "config.json").exists():
-        result["error"] = f"no complete HF export at {hf_dir} (manifest {manifest})"
+    hf_dir = export.hf_dir()
+    result: dict = {"hf_dir": str(hf_dir), "version": str(args.version), "equal": False}
+    if not export.complete():
+        result["error"] = f"no complete HF export at {hf_dir} ({export.waits_for()})"
         write_json(out, result)
         return 1
     gpu = freest_gpu()

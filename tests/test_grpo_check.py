@@ -140,13 +140,28 @@ def test_probe_records_the_rollouts_greedy_output_at_each_weight_version(tmp_pat
         assert got[v]["output_ids"] == expected(v) and got[v]["repeat_equal"] and got[v]["weight_version"] == v
 
 
-@pytest.mark.parametrize("served_version, equal", [("4", True), ("5", False)], ids=["same-weights", "different"])
-def test_fresh_server_on_the_export_is_compared_with_the_last_rollout_version(tmp_path, served_version, equal):
-    ckpts = tmp_path / "ckpts"
-    hf = ckpts / "global_step_3" / "actor" / "model" / "huggingface"
+def write_export(ckpts: Path, trainer: str, complete: bool = True) -> Path:
+    """A verl save of step 3 as each trainer lays it out: Megatron's HF export beside its manifest; FSDP's HF model
+    (save_contents 'hf_model') whose config.json verl writes on every save, the weights only when asked."""
+    actor = ckpts / "global_step_3" / "actor"
+    hf = actor / "model" / "huggingface" if trainer == "megatron" else actor / "huggingface"
     hf.mkdir(parents=True)
     (hf / "config.json").write_text("{}")
-    (ckpts / "global_step_3" / "actor" / "ckpt_contents.json").write_text("{}")
+    if trainer == "megatron":
+        (actor / "model" / "dist.pt").write_text("")
+        if complete:
+            (actor / "ckpt_contents.json").write_text("{}")
+    elif complete:
+        (hf / "model.safetensors").write_text("")
+        (ckpts / "latest_checkpointed_iteration.txt").write_text("3")
+    return hf
+
+
+@pytest.mark.parametrize("trainer", ["megatron", "fsdp"])
+@pytest.mark.parametrize("served_version, equal", [("4", True), ("5", False)], ids=["same-weights", "different"])
+def test_fresh_server_on_the_export_is_compared_with_the_last_rollout_version(tmp_path, served_version, equal, trainer):
+    ckpts = tmp_path / "ckpts"
+    hf = write_export(ckpts, trainer)
     record = {"output_ids": expected("4"), "checksums": {f"tp0:{k}": v for k, v in fake_server.checksums("4").items()}}
     (tmp_path / "probe.json").write_text(json.dumps({"records": {"4": record}}))
     (tmp_path / "done").touch()
@@ -303,3 +318,22 @@ def test_sglangs_start_up_version_default_comes_before_every_sync(tmp_path, vers
     grpo_check.main(args)
     s = json.loads((tmp_path / "summary.json").read_text())
     assert s["rollout_versions_in_order"] is in_order and s["ok"] is in_order
+
+
+@pytest.mark.parametrize("trainer", ["megatron", "fsdp"])
+def test_an_incomplete_export_is_named_and_no_server_starts(tmp_path, trainer):
+    """FSDP writes config.json into actor/huggingface on every save: without the weights the export is not there
+    (the FSDP run of 316189d looked under Megatron's path and said 'no complete HF export')."""
+    ckpts = tmp_path / "ckpts"
+    hf = write_export(ckpts, trainer, complete=False)
+    (tmp_path / "done").touch()
+    args = [
+        sys.executable, SCRIPT, "fresh", "--ckpts", str(ckpts), "--step", "3", "--version", "4",
+        "--probe", str(tmp_path / "probe.json"), "--done-file", str(tmp_path / "done"),
+        "--out", str(tmp_path / "compare.json"), "--log", str(tmp_path / "fresh.log"), "--timeout", "5",
+        "--server-cmd", json.dumps(["false"]),
+    ]  # fmt: skip
+    assert subprocess.run(args, timeout=60).returncode == 1
+    compare = json.loads((tmp_path / "compare.json").read_text())
+    assert compare["hf_dir"] == str(hf) and "no complete HF export" in compare["error"]
+    assert not (tmp_path / "fresh.log").exists()

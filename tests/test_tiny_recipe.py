@@ -137,6 +137,8 @@ def test_every_run_of_the_gpu_report_passes_verls_config_validation(variant):
         )
         assert not [a for a in args if "megatron" in a] and cfg.actor_rollout_ref.actor.strategy == "fsdp2"
         assert cfg.actor_rollout_ref.model.override_config.attn_implementation == "sdpa"
+        if not env.get("SAVE_CONTENTS"):  # FSDP's save holds an HF model only when asked: the fresh server reads it
+            assert list(cfg.actor_rollout_ref.actor.checkpoint.save_contents) == ["model", "hf_model"]
     else:
         assert cfg.actor_rollout_ref.actor.megatron.override_transformer_config.transformer_impl == "local"
     # verl leaves the rollout's name mandatory (`???`): every backend's run must name SGLang itself (the mooncake

@@ -27,9 +27,14 @@ STEPS=${STEPS:-4}
 SAVE_FREQ=${SAVE_FREQ:-$((STEPS > 1 ? STEPS - 1 : 1))}
 BACKEND=${BACKEND:-p2p}
 BATCH=${BATCH:-8}
-# what a save writes: the HF model (the fresh-server comparison reads it); a run to be resumed also needs
-# SAVE_CONTENTS="['model','optimizer','extra']"
-SAVE_CONTENTS=${SAVE_CONTENTS:-"['model']"}
+# what a save writes: the HF model (the fresh-server comparison reads it, and it is what a user serves). Megatron's
+# 'model' save holds an HF export (actor/model/huggingface); FSDP's holds shards only and writes the HF model
+# (actor/huggingface) when 'hf_model' is asked for. A run to be resumed also needs 'optimizer' and 'extra'.
+if [[ "${TRAINER:-megatron}" == fsdp ]]; then
+    SAVE_CONTENTS=${SAVE_CONTENTS:-"['model','hf_model']"}
+else
+    SAVE_CONTENTS=${SAVE_CONTENTS:-"['model']"}
+fi
 
 # Every process verl starts imports recipes/tiny/tiny_run_setup.py (TE-free Megatron, verl_p2p's INFO lines, the
 # one-GPU mapping).

@@ -17,9 +17,13 @@ the trainer's GPUs, synced by verl's naive path) launch with verl's own settings
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import os
+import socket
+import sys
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from verl_p2p.config import config_field
@@ -174,6 +178,57 @@ def check_live_server_args(server_info: Mapping[str, Any], engine: int | None = 
     raise P2PConfigError(f"{where} does not publish its weight memory ({SEED_FLAG}=false): {why}")
 
 
+@dataclass(frozen=True)
+class ServedCheckpoint:
+    """The checkpoint verl's SGLang server loads, read where that server launches."""
+
+    path: str
+    setting: str  # the option that names it
+    hf_config: Mapping[str, Any]  # its config.json, with the server's json_model_override_args applied
+
+
+def launch_args(rollout_config: Any) -> dict[str, Any]:
+    """The args verl 0.9.1's server hands SGLang that p2p's launch checks read: `quantization` from the rollout
+    config, then every `engine_kwargs.sglang` entry over it (verl's own order)."""
+    return {"quantization": config_field(rollout_config, "quantization"), **sglang_kwargs(rollout_config)}
+
+
+def served_checkpoint(rollout_config: Any, model_config: Any, where: str) -> ServedCheckpoint:
+    """What the server loads: verl 0.9.1 launches SGLang with `model_path=model_config.local_path` and lets
+    `engine_kwargs.sglang.model_path` override it. p2p's `rollout_model_path` is the trainer's copy of it, never
+    what the server loads. Fails closed (P2PConfigError naming the path and the fix) when its config.json cannot
+    be read: whether the rollout serves FP8 is decided from it."""
+    args = launch_args(rollout_config)
+    path, setting = args.get("model_path"), f"{OVERRIDE}model_path"
+    if not path:
+        path, setting = getattr(model_config, "local_path", None), "actor_rollout_ref.model.path (verl's local copy)"
+    fix = (
+        f"set {OVERRIDE}model_path to the local HF checkpoint directory this server loads (readable on the rollout "
+        "node)"
+    )
+    if not path:
+        raise P2PConfigError(f"{where}: cannot tell which checkpoint the server loads (no {setting}): {fix}")
+    config_file = os.path.join(str(path), "config.json")
+    try:
+        with open(config_file) as f:
+            hf_config = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise P2PConfigError(
+            f"{where}: cannot read {config_file} ({setting}: {type(exc).__name__}: {exc}); p2p decides from it "
+            f"whether the rollout serves FP8 before the server launches: {fix}"
+        ) from exc
+    if not isinstance(hf_config, Mapping):
+        raise P2PConfigError(f"{where}: {config_file} ({setting}) is not a JSON object: {fix}")
+    overrides = args.get("json_model_override_args") or "{}"
+    try:
+        overrides = json.loads(overrides) if isinstance(overrides, str) else dict(overrides)
+    except (TypeError, ValueError) as exc:
+        raise P2PConfigError(
+            f"{where}: {OVERRIDE}json_model_override_args={overrides!r} is not a JSON object ({exc}): fix or drop it"
+        ) from exc
+    return ServedCheckpoint(str(path), setting, {**hf_config, **overrides})
+
+
 def _hf_field(hf_config: Any, name: str) -> Any:
     if hf_config is None:
         return None
@@ -185,6 +240,11 @@ def _hf_field(hf_config: Any, name: str) -> Any:
 def fp8_checkpoint(hf_config: Any) -> bool:
     """The rollout loads a quantized checkpoint (its config carries a quantization_config)."""
     return bool(_hf_field(hf_config, "quantization_config"))
+
+
+def fp8_rollout(args: Mapping[str, Any], hf_config: Any) -> bool:
+    """The server serves FP8: a quantized checkpoint, or SGLang told to quantize (`quantization`)."""
+    return fp8_checkpoint(hf_config) or bool(args.get("quantization"))
 
 
 def hpc_installed() -> bool:
@@ -219,10 +279,30 @@ def check_server_process(
         problems.append(hpc_problem)
     if problems:
         raise P2PConfigError(f"{where}: " + "; ".join(problems))
-    if fp8_checkpoint(hf_config) or sglang.get("quantization"):
+    if fp8_rollout(sglang, hf_config):
         from verl_p2p.replica.fp8 import Fp8Platform, check_fp8_platform
 
         check_fp8_platform(fp8_platform or Fp8Platform.local(), where)
+
+
+class P2PServerLaunch:
+    """What p2p adds to verl's SGLang server actor: `sglang_replica.P2PSGLangHttpServer` mixes it in before verl's
+    SGLangHttpServer (kept here, where it imports without SGLang's server). With p2p, what only the server's host
+    knows is checked before launch (`check_server_process`) on the checkpoint the server loads
+    (`served_checkpoint`); after launch `/server_info` is repaired (`repair_scheduler_info`)."""
+
+    config: Any  # verl's RolloutConfig
+    model_config: Any  # verl's HFModelConfig (the trainer's model)
+
+    async def launch_server(self, *args, **kwargs):
+        if uses_p2p(self.config):  # where the server runs: its post-load processing must keep p2p's bytes
+            where = f"rollout server on {socket.gethostname()}"
+            served = served_checkpoint(self.config, getattr(self, "model_config", None), where)
+            check_server_process(launch_args(self.config), served.hf_config, f"{where} loading {served.path}")
+        await super().launch_server(*args, **kwargs)
+        # verl's server module imported SGLang's http_server; a server that is not verl's has no state to repair
+        http_server = sys.modules.get("sglang.srt.entrypoints.http_server")
+        repair_scheduler_info(getattr(http_server, "_global_state", None))
 
 
 # ---- per-replica launch ----------------------------------------------------------------------------------------

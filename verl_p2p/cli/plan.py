@@ -2,7 +2,8 @@
 
 With `--model` (a config.json, a checkpoint directory or a built-in card name) the bytes per target come from
 the rollout ranks' write plans (captured on `meta` with SGLang's own model class, or read from the plan
-cache), not from a formula. Without `--model` it prints the abstract source -> target assignment only.
+cache), not from a formula. `--model toy` prints the abstract source -> target assignment only; without
+`--model`, or with a malformed option, nothing is planned (a few lines naming the option and the fix, status 2).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from verl_p2p.cli.plan_report import (
 )
 from verl_p2p.cli.quiet import run_quietly
 from verl_p2p.errors import P2PError
+from verl_p2p.planning.fp8_blocks import fp8_block_problems
 from verl_p2p.planning.fsdp import build_full_stream_plan
 from verl_p2p.planning.hf_names import hf_tensor_specs
 from verl_p2p.planning.layout import layout_from_server_args
@@ -52,19 +54,88 @@ TRAINER_KEYS = ("tp", "pp", "ep", "dp", "fsdp")
 ROLLOUT_KEYS = ("tp", "ep", "dp_attn", "moe_dense_tp", "shared_tp")
 
 
-def _abstract(args: argparse.Namespace) -> int:
-    sources = [
-        SourceRank(global_rank=s * args.sources_per_stage + i, pp_stage=s)
-        for s in range(args.pp)
-        for i in range(args.sources_per_stage)
-    ]
-    targets = [TargetRank(e, r) for e, n in enumerate(int(x) for x in args.engines.split(",")) for r in range(n)]
+TOY = "toy"  # `--model toy`: the abstract source -> target assignment, no model, no bytes
+TOY_OPTIONS = ("pp", "sources_per_stage", "engines")
+
+
+def _toy(args: argparse.Namespace) -> int:
+    pp, per_stage, engines = toy_layout(args)
+    sources = [SourceRank(global_rank=s * per_stage + i, pp_stage=s) for s in range(pp) for i in range(per_stage)]
+    targets = [TargetRank(e, r) for e, n in enumerate(engines) for r in range(n)]
     print(build_transfer_plan(sources, targets).describe())
     return 0
 
 
 class UsageError(ValueError):
     """Bad command-line input, found before anything heavy is imported: exit status 2."""
+
+
+def _option(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def toy_layout(args: argparse.Namespace) -> tuple[int, int, list[int]]:
+    """(pp, sources per stage, ranks per engine) of `--model toy`, each checked: the toy plans nothing else."""
+    given = [_option(k) for k in ("trainer", "rollout") if getattr(args, k)]
+    given += [f"--{k}" for k in ("anchors", "json") if getattr(args, k)]
+    if given:
+        raise UsageError(
+            f"--model toy plans the abstract assignment of --pp, --sources-per-stage and --engines only; "
+            f"{', '.join(given)} would be ignored. Fix: drop them, or give a real --model (a card: "
+            f"{', '.join(MODEL_CARDS)}; a config.json or a checkpoint directory)"
+        )
+    pp = 1 if args.pp is None else args.pp
+    per_stage = 2 if args.sources_per_stage is None else args.sources_per_stage
+    for name, value in (("pp", pp), ("sources_per_stage", per_stage)):
+        if value < 1:
+            raise UsageError(f"{_option(name)} {value}: must be a positive integer (e.g. {_option(name)} 2)")
+    text = "2,2" if args.engines is None else args.engines
+    counts = [c.strip() for c in text.split(",")]
+    if not text.strip() or not all(c.isdigit() and int(c) >= 1 for c in counts):
+        raise UsageError(
+            f"--engines {text!r}: give the ranks of each rollout engine as positive integers separated by commas "
+            "(e.g. --engines 2,2 for two engines of two ranks)"
+        )
+    return pp, per_stage, [int(c) for c in counts]
+
+
+def check_model_option(args: argparse.Namespace) -> None:
+    """No plan of something the user did not name: --model is required, and the toy's options go with the toy."""
+    if args.model is None or not args.model.strip():
+        what = "--model is missing" if args.model is None else "--model is empty"
+        raise UsageError(
+            f"{what}: nothing is planned without a model. Fix: --model <card, config.json or checkpoint dir> with "
+            f"--trainer and --rollout (cards: {', '.join(MODEL_CARDS)}), e.g. {EXAMPLE}; or --model toy for the "
+            "abstract source -> target assignment"
+        )
+    stray = [_option(k) for k in TOY_OPTIONS if getattr(args, k) is not None]
+    if args.model != TOY and stray:
+        raise UsageError(
+            f"{', '.join(stray)}: options of --model toy only, which would be ignored for --model {args.model}. Fix: "
+            "drop them (the model's layouts come from --trainer tp=,pp=,ep= and --rollout tp=,ep=xN)"
+        )
+
+
+def check_pipeline(cfg: dict, trainer: Parallelism) -> None:
+    """Megatron's even layer split, known from the config: refused before any capture, with the pp that work."""
+    layers = int((cfg.get("text_config") or cfg).get("num_hidden_layers") or 0)
+    if layers and layers % trainer.pp:
+        choices = ", ".join(str(d) for d in range(1, layers + 1) if layers % d == 0)
+        raise UsageError(
+            f"--trainer pp={trainer.pp}: the model's {layers} layers do not split evenly over {trainer.pp} stages "
+            f"(Megatron's default split). Fix: a pp dividing {layers}: {choices}"
+        )
+
+
+def check_fp8_blocks(cfg: dict, rollout: Parallelism) -> None:
+    problems = fp8_block_problems(cfg, rollout)
+    if problems:
+        raise UsageError(
+            f"--rollout {rollout.describe()}: a block-FP8 rollout of this layout cannot be built "
+            "(refused before any capture):\n  - "
+            + "\n  - ".join(problems)
+            + "\n  (or serve bf16: --rollout-quant bf16)"
+        )
 
 
 def model_config(spec: str) -> tuple[str, dict, Path | None]:
@@ -255,9 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.add_argument("-v", "--verbose", action="store_true", help="show third-party output instead of logging it")
-    parser.add_argument("--sources-per-stage", type=int, default=2, help="(without --model) sources per stage")
-    parser.add_argument("--pp", type=int, default=1, help="(without --model) pipeline stages")
-    parser.add_argument("--engines", default="2,2", help="(without --model) ranks per rollout engine")
+    parser.add_argument("--sources-per-stage", type=int, default=None, help="(--model toy) sources per stage (2)")
+    parser.add_argument("--pp", type=int, default=None, help="(--model toy) pipeline stages (1)")
+    parser.add_argument("--engines", default=None, help="(--model toy) ranks per rollout engine (2,2)")
     return parser
 
 
@@ -285,9 +356,10 @@ def run(argv: list[str]) -> int:
         parser.print_help(sys.stderr)
         return USAGE_ERROR
     args = parser.parse_args(argv)
-    if not args.model:
-        return _abstract(args)
     try:
+        check_model_option(args)
+        if args.model == TOY:
+            return _toy(args)
         request = check_request(args)
     except (ValueError, P2PError) as exc:
         print(f"verl-p2p plan: {exc}", file=sys.stderr)
@@ -334,6 +406,9 @@ def check_request(args: argparse.Namespace) -> PlanRequest:
         except ValueError as exc:
             raise UsageError(str(exc)) from exc
         check_layouts(cfg, t, [r])
+        check_pipeline(cfg, t)
+        if fp8 or cfg.get("quantization_config"):
+            check_fp8_blocks(cfg, r)
     return PlanRequest(
         label, cfg, checkpoint, card, published, anchors, trainer, rollout, convert_gbps, rollout_nic,
         args.bucket_mb << 20,

@@ -89,6 +89,7 @@ class FakeSGLang:
         sessions: bool = True,
         old_routes_only: bool = False,
         api_key: str | None = None,
+        admin_api_key: str | None = None,
         params_per_rank: int = 4,
         server_args: Mapping[str, Any] | None = None,
         bootstrap: bool = True,
@@ -98,6 +99,8 @@ class FakeSGLang:
         self.sessions = sessions
         self.old_routes_only = old_routes_only
         self.api_key = api_key
+        self.admin_api_key = admin_api_key
+        self._auth_levels = sglang_auth_levels(version) if admin_api_key else None
         self.server_args = {"tp_size": tp_size, "pp_size": 1, "ep_size": 1, "dp_size": 1, **(server_args or {})}
         self.lock = threading.Lock()
         self.calls: list[str] = []
@@ -218,7 +221,11 @@ class FakeSGLang:
             self._stop.wait(delay)
         if kind == "bootstrap":
             return self._bootstrap_route(route, query)
-        if self.api_key and headers.get("Authorization") != f"Bearer {self.api_key}":
+        if self._auth_levels is not None:  # SGLang's own decision, per route level of its release
+            refused = _sglang_refusal(self, method, path, headers.get("Authorization"))
+            if refused is not None:
+                return refused
+        elif self.api_key and headers.get("Authorization") != f"Bearer {self.api_key}":
             return 401, {"error": "Unauthorized"}
         injected = self.injected.get(route)
         if injected is not None and injected.times != 0:
@@ -376,3 +383,53 @@ def free_port() -> int:
 
 
 __all__ = ["FakeSGLang", "Injected", "free_port"]
+
+
+# ---- SGLang's API-key rules (with admin_api_key) --------------------------------------------------------------
+
+
+def sglang_auth_levels(version: str) -> dict[str, str]:
+    """Route -> SGLang auth level ("normal", "admin_optional", "admin_force") as SGLang `version`'s http_server.py
+    declares them (`@auth_level(AuthLevel.X)` under the route's decorator; none: normal). Read from that release's
+    sources under .venv (make setup installs 0.5.21 / 0.5.23), else from the installed SGLang."""
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    release = Path(__file__).resolve().parents[2] / ".venv" / f"sglang-{version}" / "sglang"
+    if not release.is_dir():
+        release = Path(importlib.util.find_spec("sglang").origin).parent
+    tree = ast.parse((release / "srt" / "entrypoints" / "http_server.py").read_text())
+    levels = {}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        level, routes = "normal", []
+        for deco in node.decorator_list:
+            if not isinstance(deco, ast.Call):
+                continue
+            name = ast.unparse(deco.func)
+            if name == "auth_level":
+                level = ast.unparse(deco.args[0]).rsplit(".", 1)[-1].lower()
+            elif name.startswith("app.") and deco.args and isinstance(deco.args[0], ast.Constant):
+                routes.append(deco.args[0].value)
+        levels.update(dict.fromkeys(routes, level))
+    return levels
+
+
+def _sglang_refusal(fake: FakeSGLang, method: str, path: str, authorization: str | None) -> tuple[int, Any] | None:
+    """SGLang's `decide_request_auth` (srt/utils/auth.py, imported: it needs no torch) for this route's level."""
+    from sglang.srt.utils.auth import AuthLevel, decide_request_auth
+
+    level = AuthLevel(fake._auth_levels.get(path, "normal"))
+    decision = decide_request_auth(
+        method=method,
+        path=path,
+        authorization_header=authorization,
+        api_key=fake.api_key,
+        admin_api_key=fake.admin_api_key,
+        auth_level=level,
+    )
+    if decision.allowed:
+        return None
+    return decision.error_status_code, {"error": "Unauthorized" if decision.error_status_code == 401 else "Forbidden"}

@@ -8,7 +8,6 @@ is one control-plane action on this engine.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -16,7 +15,7 @@ from typing import Any
 from verl_p2p.config import P2PConfig
 from verl_p2p.planning.layout import RankLayout, check_server_info, layout_from_server_args
 from verl_p2p.planning.targets import RemoteRankInfo
-from verl_p2p.rollout.client import RankAnswer, RolloutCallError, SGLangClient, normalize_url
+from verl_p2p.rollout.client import RankAnswer, RolloutCallError, ServerKeys, SGLangClient, normalize_url
 from verl_p2p.sglang_versions import has_sessions
 
 DEFAULT_BOOTSTRAP_PORT = 6789  # SGLang's ServerArgs.engine_info_bootstrap_port default (0.5.12 - 0.5.23)
@@ -38,11 +37,17 @@ class P2PReplicaAdapter:
         bootstrap_url: str | None = None,
         config: P2PConfig | None = None,
         client: SGLangClient | None = None,
+        keys: ServerKeys | None = None,
     ):
         self.engine = int(engine)
         self.config = config or P2PConfig()
+        keys = keys or server_keys(self.config, {})
         self.client = client or SGLangClient(
-            url, bootstrap_url=bootstrap_url, api_key=self.config.api_key, timeout=self.config.http_timeout
+            url,
+            bootstrap_url=bootstrap_url,
+            api_key=keys.api_key,
+            admin_api_key=keys.admin_api_key,
+            timeout=self.config.http_timeout,
         )
         self._server_info: dict[str, Any] | None = None
 
@@ -57,14 +62,18 @@ class P2PReplicaAdapter:
             raise ValueError(f"rollout replica {replica.replica_rank} has no server address: launch its servers first")
         sglang_kwargs = _sglang_engine_kwargs(replica.config)
         config = config or P2PConfig()
-        api_key = config.api_key or sglang_kwargs.get("admin_api_key") or sglang_kwargs.get("api_key")
-        if api_key != config.api_key:
-            config = dataclasses.replace(config, api_key=api_key)
         port = int(sglang_kwargs.get("engine_info_bootstrap_port") or DEFAULT_BOOTSTRAP_PORT)
         host = sglang_kwargs.get("host")
         if not host or host in ("0.0.0.0", "::"):
             host = normalize_url(address).split("://", 1)[1].rsplit(":", 1)[0]
-        return cls(replica.replica_rank, address, bootstrap_url=f"{host}:{port}", config=config)
+        keys = server_keys(config, sglang_kwargs)
+        return cls(replica.replica_rank, address, bootstrap_url=f"{host}:{port}", config=config, keys=keys)
+
+    @classmethod
+    def for_rollout(cls, engine: int, url: str, config: P2PConfig, rollout_config: Any) -> P2PReplicaAdapter:
+        """A rollout leader's adapter of its own server (the engine path): the keys from verl's rollout config,
+        as the server was started with them."""
+        return cls(engine, url, config=config, keys=server_keys(config, _sglang_engine_kwargs(rollout_config)))
 
     def __str__(self) -> str:
         return f"engine {self.engine} ({self.url})"
@@ -198,6 +207,15 @@ class P2PReplicaAdapter:
 
 def adapters_from_replicas(replicas: Sequence[Any], config: P2PConfig | None = None) -> list[P2PReplicaAdapter]:
     return [P2PReplicaAdapter.from_replica(r, config) for r in replicas]
+
+
+def server_keys(config: P2PConfig, sglang_kwargs: Mapping[str, Any]) -> ServerKeys:
+    """The keys a server launched with `engine_kwargs.sglang` checks: its `api_key` and `admin_api_key`; p2p's
+    `api_key` option, when set, is the admin key (and the only key when the server args name none)."""
+    return ServerKeys(
+        api_key=sglang_kwargs.get("api_key") or None,
+        admin_api_key=config.api_key or sglang_kwargs.get("admin_api_key") or None,
+    )
 
 
 def _sglang_engine_kwargs(rollout_config: Any) -> dict[str, Any]:

@@ -36,9 +36,30 @@ _PER_HOST = 64
 _KEEPALIVE_S = 3.0
 
 _HINTS = {
-    401: "send the server's admin API key: set checkpoint_engine.engine_kwargs.p2p.api_key",
+    401: "send the server's keys: set engine_kwargs.sglang.api_key / admin_api_key as the server was started, or "
+    "checkpoint_engine.engine_kwargs.p2p.api_key",
     403: "send the server's admin API key: set checkpoint_engine.engine_kwargs.p2p.api_key",
 }
+# The routes p2p calls that SGLang guards as ordinary ones (no `auth_level` in its http_server.py: only
+# `api_key` opens them); every other control route it calls is ADMIN_OPTIONAL. Bootstrap-server routes take no key.
+NORMAL_ROUTES = frozenset(
+    {"/health", "/server_info", "/get_server_info", "/weight_version", "/get_weight_version", "/model_info"}
+)
+
+
+@dataclass(frozen=True)
+class ServerKeys:
+    """The bearer tokens an SGLang server was started with. SGLang (`srt/utils/auth.py`) opens its ordinary routes
+    with `api_key` only, and its admin routes (pause, memory, weights, sessions, rank info) with `admin_api_key`
+    when the server has one, else with `api_key`: a server started with both needs each on its own routes."""
+
+    api_key: str | None = None
+    admin_api_key: str | None = None
+
+    def for_route(self, route: str) -> str | None:
+        if route in NORMAL_ROUTES:
+            return self.api_key or self.admin_api_key  # with no api_key these routes are open: any token passes
+        return self.admin_api_key or self.api_key
 
 
 class RolloutCallError(RolloutHTTPError):
@@ -129,12 +150,13 @@ class SGLangClient:
         *,
         bootstrap_url: str | None = None,
         api_key: str | None = None,
+        admin_api_key: str | None = None,
         timeout: float = 60.0,
     ):
         self.url = normalize_url(url)
         self.bootstrap_url = normalize_url(bootstrap_url) if bootstrap_url else None
         self.timeout = timeout
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.keys = ServerKeys(api_key, admin_api_key)
         # one aiohttp session per running loop, with the async generator that closes it at loop shutdown
         self._sessions: dict[asyncio.AbstractEventLoop, tuple[aiohttp.ClientSession, AsyncGenerator]] = {}
         self._lock = threading.Lock()
@@ -183,7 +205,7 @@ class SGLangClient:
             # trust_env stays off: unlike requests, no proxy from HTTP(S)_PROXY and no ~/.netrc (its lookup
             # would cost a thread hop per call); control-plane calls always go straight to the server
             connector = aiohttp.TCPConnector(limit=0, limit_per_host=_PER_HOST, keepalive_timeout=_KEEPALIVE_S)
-            session = aiohttp.ClientSession(connector=connector, headers=self._headers)
+            session = aiohttp.ClientSession(connector=connector)
             closer = _closer(session, loop)
             self._sessions[loop] = (session, closer)
         for old in dropped:  # sessions of closed loops (nothing left to do on them) or closed ones of this loop
@@ -208,13 +230,15 @@ class SGLangClient:
         base = base or self.url
         timeout = self.timeout if timeout is None else timeout
         shown = route + ("?" + "&".join(f"{k}={v}" for k, v in params.items()) if params else "")
+        key = self.keys.for_route(route) if base == self.url else None  # the bootstrap server takes none
+        headers = {"Authorization": f"Bearer {key}"} if key else None
         session = await self._session_here()
         limits = aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout)
         try:
             for attempt in (1, 2):
                 try:
                     async with session.request(
-                        method, base + route, json=body, params=params, timeout=limits
+                        method, base + route, json=body, params=params, headers=headers, timeout=limits
                     ) as answer:
                         content = await answer.read()
                         response = Response(

@@ -5,7 +5,8 @@ Manager path: 4 trainer ranks as Ray actors (real P2PCheckpointEngine each), 2 s
 export: the sync fails within `p2p_push_deadline_s` (not the 30 minutes a gloo group waits by default), names
 rank 2, leaves only its target unknown (its engine stays paused, stale), and the restore steps run on the other
 engine (its session ended, resumed). With a re-push allowed, the survivors rewrite the dead rank's target and
-every engine resumes.
+every engine resumes (the stand-in ranks export alone, as TP1 data-parallel copies: the re-push needs no
+collective with the dead rank; with real collectives see tests/test_stalled_rank_go_no_go.py).
 
 Engine-only path: 4 ranks over gloo (torch.multiprocessing); the outcome exchange after the push waits at most
 the push deadline, and a survivor reports its own completed push (no target of its own unknown).

@@ -7,6 +7,11 @@ Stand-ins, each named as such:
 - `ExportingSessionStandIn` for verl_p2p.trainer.source.SourceSession: its push runs an "export" step (where
   Megatron-Bridge's export runs in the real session) that the test makes die (SIGKILL) or hang, then counts the
   targets of its assignment as written (no Mooncake writes: the rollouts are tests/support/fake_sglang.py).
+  It runs no collective, so each rank reports that it exports alone (`export_peers`: itself, as a Megatron TP1
+  data-parallel copy would): a re-push around a dead rank is planned as for DP copies. This test shows the
+  manager's deadline arithmetic and planning only: that the real go/no-go runs without a dead or stalled rank and
+  that its TP peers are cut off is shown in a real gloo world by tests/test_stalled_rank_go_no_go.py; no test yet
+  runs a real export (Megatron or FSDP) with a rank killed or stopped inside it.
 - `RayActorGroupStandIn` for verl's actor RayWorkerGroup: its two entry points the manager calls, one Ray call
   per rank (as verl's group returns them).
 """
@@ -68,6 +73,7 @@ def trainer_engine(rank: int, world: int, options: dict, fault: tuple[str, int] 
     ExportingSessionStandIn.fault = fault
     engine = CheckpointEngineRegistry.new("p2p", is_master=rank == 0, bucket_size=1 << 20, **options)
     engine._trainer = TrainerIdentity(rank=rank, world_size=world, pp_stage=0, pp_size=1)
+    engine._peers = ((rank,),)  # exports alone (see ExportingSessionStandIn): its SourceMeta.export_peers
     return engine
 
 

@@ -100,7 +100,9 @@ class P2PCheckpointEngine(CheckpointEngine):
         self._trainer: TrainerIdentity | None = None
         self._session: Any = None  # source.SourceSession, built on the first assignment
         self._assignment: Assignment | None = None
-        self._metrics_group: Any = None
+        self._outcome_ranks: tuple[int, ...] | None = None  # every trainer rank, for the outcome exchange
+        self._exchanges = 0  # outcome exchanges so far: names a replacement group (senders.BoundedGroups)
+        self._peers: tuple[tuple[int, ...] | None] | None = None  # (SourceMeta.export_peers,) once read
         # rollout
         self._rollout: RolloutIdentity | None = None
         self._full_stream: bool | None = None
@@ -146,6 +148,18 @@ class P2PCheckpointEngine(CheckpointEngine):
                 self._full_stream = False
         return self._full_stream
 
+    def _export_peers(self) -> tuple[int, ...] | None:
+        """The ranks this rank's export runs collectives with (`SourceMeta.export_peers`), read once."""
+        if self._peers is None:
+            from verl_p2p.trainer.verl_engine import EngineAccessError, export_peers, find_training_engine
+
+            try:
+                engine = find_training_engine(self.owner) if self.owner is not None else None
+                self._peers = (None if engine is None else export_peers(engine, mode=self.config.export_mode),)
+            except EngineAccessError:  # the source session names the problem at apply
+                self._peers = (None,)
+        return self._peers[0]
+
     @property
     def rollout(self) -> RolloutIdentity:
         if self._rollout is None:
@@ -164,7 +178,14 @@ class P2PCheckpointEngine(CheckpointEngine):
         if self.side is Side.TRAINER:
             me = self.trainer
             generation = self._assignment.generation if self._assignment else 0
-            source = SourceMeta(me.rank, me.pp_stage, me.pp_size, generation, full_stream=self._streams_whole_model())
+            source = SourceMeta(
+                me.rank,
+                me.pp_stage,
+                me.pp_size,
+                generation,
+                full_stream=self._streams_whole_model(),
+                export_peers=self._export_peers(),
+            )
             return {"p2p": TRAINER, "source": source}
         if self.rollout.role is Role.ROLLOUT_FOLLOWER:
             return {"p2p": FOLLOWER, "engine": self.rollout.replica_rank}
@@ -262,8 +283,8 @@ class P2PCheckpointEngine(CheckpointEngine):
             return
         if assignment.rank != self.trainer.rank:
             raise P2PError(f"assignment for trainer rank {assignment.rank} delivered to rank {self.trainer.rank}")
-        if self._metrics_group is None:
-            self._metrics_group = _new_gather_group(self.config.p2p_push_deadline_s)
+        if self._outcome_ranks is None:
+            self._outcome_ranks = _trainer_ranks()
         if self._session is None:
             from verl_p2p.trainer.source import SourceSession
 
@@ -278,13 +299,15 @@ class P2PCheckpointEngine(CheckpointEngine):
         )
 
     def _gather(self, item: Any) -> list[Any]:
-        if self._metrics_group is None:
+        """Every trainer rank's `item`, over p2p's outcome group (timeout: the push deadline; a group broken by a
+        dead or hung peer is dropped, and the next sync makes a new one)."""
+        if self._outcome_ranks is None:
             return [item]
-        import torch.distributed as dist
+        from verl_p2p.trainer.senders import GROUPS
 
-        items: list[Any] = [None] * dist.get_world_size(self._metrics_group)
-        dist.all_gather_object(items, item, group=self._metrics_group)
-        return items
+        self._exchanges += 1
+        deadline = self.config.p2p_push_deadline_s
+        return GROUPS.exchange("outcomes", self._outcome_ranks, item, deadline, self._exchanges)
 
     # ---- rollout leader --------------------------------------------------------------------------------------
 
@@ -419,17 +442,15 @@ def build_topology(
     return actor_kwargs, rollout_kwargs
 
 
-def _new_gather_group(timeout_s: float) -> Any:
-    """A gloo group over all trainer ranks for the per-sync outcome exchange (None when not distributed). Its
-    `timeout_s` (the push deadline) bounds how long a rank that finished waits there for a dead or hung peer,
-    instead of torch's default 30 minutes."""
-    import datetime
-
+def _trainer_ranks() -> tuple[int, ...] | None:
+    """Every trainer rank, for the per-sync outcome exchange (None when not distributed). It runs over one of p2p's
+    own gloo groups (`senders.GROUPS`) whose timeout is the push deadline: a rank that finished waits there at most
+    that long for a dead or hung peer, instead of torch's default 30 minutes."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None
-    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    return tuple(range(dist.get_world_size()))
 
 
 def _server_url(replica_rank: int) -> str:

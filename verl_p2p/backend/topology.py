@@ -41,6 +41,9 @@ class SourceMeta:
     # the rank streams the whole model (verl's FSDP engine): every rank sends a part of every target
     # (`planning.fsdp`); False: a Megatron rank exporting its pipeline stage
     full_stream: bool = False
+    # the ranks its export runs collectives with (PP-local Megatron: its TP, EP and expert-TP groups); None: every
+    # rank (FSDP's gathers, the full export's): a rank that cannot take part blocks every rank it reaches this way
+    export_peers: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -62,7 +65,7 @@ class Assignment:
     rank: int
     pp_stage: int
     pp_size: int = 1
-    stage_ranks: tuple[int, ...] = ()  # every trainer rank of this stage (they export together)
+    stage_ranks: tuple[int, ...] = ()  # the trainer ranks of this stage that export together (its go/no-go group)
     stage_senders: tuple[int, ...] = ()  # those of them with targets
     targets: tuple[TargetRank, ...] = ()
     rank_infos: Mapping[TargetRank, RemoteRankInfo] = field(default_factory=dict, repr=False)
@@ -82,6 +85,9 @@ class Assignment:
     # the driver waits for each rank's own outcome (the manager path): the ranks exchange no outcomes, so a dead
     # or hung peer cannot hold a rank that finished; False: verl's manager, which sees rank 0's answer only
     driver_collects: bool = False
+    # False: the rank neither exports nor runs the go/no-go (it, or a rank it exports with, died or is late): its
+    # push returns at once; see `assign`'s `unreachable`
+    export: bool = True
 
     @property
     def is_source(self) -> bool:
@@ -108,12 +114,17 @@ def assign(
     generation: int,
     sessionless: Iterable[int] = (),
     exclude: Iterable[int] = (),
+    unreachable: Iterable[int] = (),
 ) -> dict[int, Assignment]:
     """Plan every target onto its sources per PP stage (one, or several each writing a part when the stage has
     more ranks than targets); every trainer rank gets an Assignment (maybe idle).
     `sessionless`: engines whose servers answered that they have no weight-update sessions.
-    `exclude`: trainer ranks that must not send (their last push failed or they died): they get idle assignments
-    (the export is collective, they still run it); a stage left without a sender is refused."""
+    `exclude`: trainer ranks that must not send (their last push failed naming no target): they get idle
+    assignments (the export is collective, they still run it); a stage left without a sender is refused.
+    `unreachable`: ranks that died or are late, so cannot take part in any collective. Every rank connected to one
+    through export collectives (`SourceMeta.export_peers`) gets an assignment that skips the export and the
+    go/no-go; the others of its stage (data-parallel copies) export among themselves and take the targets. A stage
+    left with no rank that can export is refused, naming the ranks and every target left paused."""
     sizes = {s.pp_size for s in sources}
     if len(sizes) > 1:
         raise P2PError(f"trainer ranks disagree on the pipeline size: {sorted(sizes)}")
@@ -125,7 +136,18 @@ def assign(
         raise P2PError(f"no layout for rollout target(s) {missing[:4]}")
     targets = sorted(rank_infos)
     keys = {t: layout_key(server_infos[t.engine], layouts[t]) for t in targets}
-    exclude = frozenset(exclude)
+    unreachable = frozenset(unreachable)
+    blocked = blocked_ranks(sources, unreachable)
+    cut_off = sorted({s.pp_stage for s in sources} - {s.pp_stage for s in sources if s.rank not in blocked})
+    if targets and cut_off:
+        raise P2PError(
+            f"no trainer rank of pipeline stage(s) {cut_off} can export without trainer rank(s) "
+            f"{sorted(unreachable)} (died, or did not answer within p2p_push_deadline_s): the export's collectives "
+            f"of ranks {sorted(r for r in blocked if r not in unreachable)} run with them (tensor/expert-parallel "
+            "peers, or every rank of an FSDP or full export). Left paused with weights unknown: "
+            f"{', '.join(map(str, targets))}. Fix: restart the trainer rank(s), or the job"
+        )
+    exclude = frozenset(exclude) | blocked
     senders = [s for s in sources if s.rank not in exclude]
     orphaned = sorted({s.pp_stage for s in sources} - {s.pp_stage for s in senders})
     if targets and orphaned:
@@ -143,12 +165,13 @@ def assign(
     names = _part_names(plan, rank_infos)
     stage_ranks: dict[int, list[int]] = {}
     for s in sorted(sources, key=lambda s: s.rank):
-        stage_ranks.setdefault(s.pp_stage, []).append(s.rank)
+        if s.rank not in blocked:
+            stage_ranks.setdefault(s.pp_stage, []).append(s.rank)
     sessionless = frozenset(sessionless)
     result = {}
     for source in sources:
         mine = plan.targets_of(source.rank)
-        ranks = tuple(stage_ranks[source.pp_stage])
+        ranks = (source.rank,) if source.rank in blocked else tuple(stage_ranks[source.pp_stage])
         result[source.rank] = Assignment(
             generation=generation,
             rank=source.rank,
@@ -163,9 +186,32 @@ def assign(
             sessionless_engines=frozenset(t.engine for t in mine) & sessionless,
             parts={t: plan.part_of(source.rank, t) for t in mine if plan.part_of(source.rank, t)[1] > 1},
             part_names={t: names[(source.rank, t)] for t in mine if (source.rank, t) in names},
+            export=source.rank not in blocked,
         )
     check_parts(result, rank_infos)
     return result
+
+
+def blocked_ranks(sources: Sequence[SourceMeta], unreachable: frozenset[int]) -> frozenset[int]:
+    """The unreachable ranks and every rank connected to one through export collectives (the connected components
+    of the `export_peers` graph that hold an unreachable rank): none of them can finish an export."""
+    if not unreachable:
+        return frozenset()
+    ranks = sorted(s.rank for s in sources)
+    parent = {r: r for r in ranks}
+
+    def root(r: int) -> int:
+        while parent[r] != r:
+            parent[r] = parent[parent[r]]
+            r = parent[r]
+        return r
+
+    for s in sources:
+        for peer in ranks if s.export_peers is None else s.export_peers:
+            if peer in parent:
+                parent[root(peer)] = root(s.rank)
+    cut = {root(r) for r in unreachable if r in parent}
+    return frozenset(r for r in ranks if root(r) in cut) | unreachable
 
 
 def _part_names(plan: Any, rank_infos: Mapping[TargetRank, RemoteRankInfo]) -> dict[tuple[int, TargetRank], frozenset]:

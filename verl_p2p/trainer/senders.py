@@ -9,7 +9,9 @@ The same holds when something goes wrong. A rank that finds a problem before exp
 apply, a target whose published weights disagree) must not simply raise: its peers would enter the export
 and wait in a gather for it. So every rank of the export group first agrees on go/no-go (`agree_to_export`:
 one small all_gather over a gloo group of exactly the ranks whose collectives the export runs); when any rank
-says no, every rank raises `ExportAbortedError` naming each failed rank and its cause, and none exports. A
+says no, every rank raises `ExportAbortedError` naming each failed rank and its cause, and none exports. The
+group is p2p's own, with `p2p_push_deadline_s` as its timeout (`BoundedGroups`): a member that died or hangs
+costs the others at most that long, never torch's default 30 minutes. A
 rank that fails while streaming keeps draining the export to its end (`drain`), so its peers' collectives
 still match, and raises afterwards.
 """
@@ -24,6 +26,7 @@ from typing import Any
 
 import torch
 
+from verl_p2p.config import P2PConfig
 from verl_p2p.errors import P2PError
 from verl_p2p.planning.plan import SourceRank, TransferPlan
 
@@ -117,23 +120,100 @@ class ExportAbortedError(P2PError):
         )
 
 
-_groups: dict[tuple[int, ...], Any] = {}
-_groups_lock = threading.Lock()
+class GroupBrokenError(P2PError):
+    """A collective over one of p2p's own gloo groups failed or timed out (a member died or hangs): the group is
+    dropped on this rank, and the next sync makes a new one (`BoundedGroups`)."""
 
 
-def export_group(ranks: Sequence[int] | None) -> Any:
-    """The gloo group the go/no-go runs on: `ranks` (a stage), or every rank (None: the full export crosses
-    stages). Made once per rank set; only its members take part in making it (local synchronisation)."""
+@dataclass
+class _Held:
+    group: Any
+    name: str
+
+
+class BoundedGroups:
+    """p2p's own gloo groups over the trainer ranks (the go/no-go, the outcome exchange), each with a timeout.
+
+    A group is made on first use of its rank set and reused; one on which a collective failed or timed out is
+    destroyed and never reused (gloo closes its pairs on a timeout). Every member names a group the same way,
+    `verl_p2p/<tag>/<ranks>/<epoch>`, where `epoch` is the caller's count of syncs (every trainer rank gets every
+    sync's call, in order): torch's `new_group(use_local_synchronization=True)` hashes the ranks with the number
+    of groups this process made so far, which differs between ranks that made a replacement and a rank that
+    stalled meanwhile, and would leave them rendezvousing under different names until the timeout, forever. A
+    member still holding the old group fails at once on it (its peers destroyed it), drops it, and the next
+    sync all members make the same new one. Making a group waits at most `timeout_s` for its members.
+    """
+
+    def __init__(self) -> None:
+        self._held: dict[tuple[str, tuple[int, ...]], _Held] = {}
+        self._lock = threading.Lock()
+
+    def exchange(self, tag: str, ranks: Sequence[int], item: Any, timeout_s: float, epoch: int) -> list[Any]:
+        """all_gather_object of `item` over `ranks` (this rank among them); GroupBrokenError when the group
+        cannot be made or the gather fails within `timeout_s` (the group is dropped)."""
+        import torch.distributed as dist
+
+        key = (tag, tuple(sorted(set(ranks))))
+        try:
+            group = self._group(key, timeout_s, epoch)
+            items: list[Any] = [None] * len(key[1])
+            dist.all_gather_object(items, item, group=group)
+            return items
+        except Exception as exc:
+            self.drop(key)
+            raise GroupBrokenError(
+                f"p2p {tag} over trainer ranks {list(key[1])} did not complete within {timeout_s:g} s "
+                f"(p2p_push_deadline_s; a rank died or hangs): {describe(exc).splitlines()[0]}"
+            ) from exc
+
+    def _group(self, key: tuple[str, tuple[int, ...]], timeout_s: float, epoch: int) -> Any:
+        with self._lock:
+            held = self._held.get(key)
+            if held is None:
+                name = f"verl_p2p/{key[0]}/{'_'.join(map(str, key[1]))}/{epoch}"
+                held = self._held[key] = _Held(_new_gloo_group(list(key[1]), name, timeout_s), name)
+            return held.group
+
+    def drop(self, key: tuple[str, tuple[int, ...]]) -> None:
+        with self._lock:
+            held = self._held.pop(key, None)
+        if held is not None:
+            import torch.distributed as dist
+
+            try:  # closes its pairs: a member still on it fails at once instead of waiting out the timeout
+                dist.destroy_process_group(held.group)
+            except Exception as exc:  # noqa: BLE001 - dropped either way
+                logger.warning("p2p: destroying the broken group %s: %s", held.name, describe(exc))
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return sorted(h.name for h in self._held.values())
+
+
+def _new_gloo_group(ranks: list[int], name: str, timeout_s: float) -> Any:
+    """A gloo group of `ranks` named `name`, made by its members only, bounded by `timeout_s` (its rendezvous and
+    every collective). torch's own helper with an explicit name: `new_group` cannot take one (see BoundedGroups)."""
+    import datetime
+
     import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
 
-    key = tuple(sorted(ranks)) if ranks is not None else ()
-    with _groups_lock:
-        if key not in _groups:
-            if ranks is None:
-                _groups[key] = dist.new_group(backend="gloo")
-            else:
-                _groups[key] = dist.new_group(ranks=list(key), backend="gloo", use_local_synchronization=True)
-        return _groups[key]
+    default = c10d._get_default_group()
+    me = dist.get_rank()
+    group, _ = c10d._new_process_group_helper(
+        len(ranks),
+        ranks.index(me),
+        ranks,
+        "gloo",
+        c10d._world.pg_map[default][1],
+        group_name=c10d.GroupName(name),
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    c10d._world.pg_group_ranks[group] = {g: i for i, g in enumerate(ranks)}
+    return group
+
+
+GROUPS = BoundedGroups()  # one per trainer process: the groups live as long as the torch world
 
 
 def describe(error: BaseException) -> str:
@@ -141,7 +221,13 @@ def describe(error: BaseException) -> str:
 
 
 def agree_to_export(
-    rank: int, ranks: Sequence[int] | None, error: BaseException | None, stream_digest: str | None = None
+    rank: int,
+    ranks: Sequence[int] | None,
+    error: BaseException | None,
+    stream_digest: str | None = None,
+    *,
+    timeout_s: float = P2PConfig.p2p_push_deadline_s,
+    epoch: int = 0,
 ) -> None:
     """Go/no-go over the export group: return when every rank is ready; otherwise raise ExportAbortedError on
     every rank, naming each rank that failed and why (chained from `error` on a rank that failed itself).
@@ -161,9 +247,8 @@ def agree_to_export(
     if alone:
         verdicts: list[Any] = [mine]
     else:
-        group = export_group(ranks)
-        verdicts = [None] * dist.get_world_size(group)
-        dist.all_gather_object(verdicts, mine, group=group)
+        members = range(dist.get_world_size()) if ranks is None else ranks
+        verdicts = GROUPS.exchange("go_no_go", members, mine, timeout_s, epoch)
     failures = {r: why for r, why, _ in verdicts if why is not None}
     for r, why in disagreeing_streams({r: d for r, _, d in verdicts if d is not None}).items():
         failures.setdefault(r, why)

@@ -68,6 +68,7 @@ class SourceSession:
         self.stage = None
         self.share = None
         self.apply_error: Exception | None = None
+        self.pushes = 0  # every push call, skipped ones too: names p2p's replacement gloo groups (senders.GROUPS)
 
     # ---- per generation ------------------------------------------------------------------------------------
 
@@ -143,8 +144,8 @@ class SourceSession:
             else None
         )
         self.targets, self.assignment = targets, assignment
-        try:
-            self.share = self._stage_share(assignment)  # a collective over the PP group: every rank reaches it
+        try:  # a collective over the PP group: every rank reaches it (a rank cut off from the export skips it)
+            self.share = self._stage_share(assignment) if assignment.export else None
         except Exception as exc:
             self.share = None
             self.apply_error = self.apply_error or exc
@@ -301,6 +302,15 @@ class SourceSession:
         """
         if self.assignment is None:
             raise P2PError("p2p trainer source has no plan yet: init_process_group must run before send_weights")
+        self.pushes += 1
+        if not self.assignment.export:  # a rank it exports with died or is late: the plan leaves it out
+            logger.warning(
+                "p2p trainer rank %d: plan generation %d leaves it out of the export (a rank it exports with died "
+                "or is late); nothing to do",
+                self.assignment.rank,
+                self.assignment.generation,
+            )
+            return None
         from verl_p2p.trainer.exports import stream_digest
         from verl_p2p.trainer.senders import agree_to_export, drain
 
@@ -311,7 +321,8 @@ class SourceSession:
             except Exception as exc:  # agreed below: every rank of the group raises it
                 error = exc
         digest, error = stream_digest(self.exporter, error)  # FSDP: every rank must stream the same tensors
-        agree_to_export(self.assignment.rank, self.export_ranks(), error, digest)
+        deadline = self.config.p2p_push_deadline_s
+        agree_to_export(self.assignment.rank, self.export_ranks(), error, digest, timeout_s=deadline, epoch=self.pushes)
         stream = self.stream()
         try:
             if not self.targets:

@@ -144,6 +144,33 @@ def engine_exporter(engine: Any, *, mode: ExportMode = "auto") -> StageExporter 
     return StageExporter(engine.module, engine.bridge, mode=choice.mode, reason=choice.reason, full_export=full_export)
 
 
+def export_peers(engine: Any, *, mode: ExportMode = "auto") -> tuple[int, ...] | None:
+    """The global ranks this rank's export runs collectives with: for Megatron's PP-local export, its tensor-,
+    expert- and expert-tensor-parallel groups (Megatron-Bridge's mappings gather over exactly those, within the
+    stage); None (every rank) for FSDP's gathers and the full export, or when the groups cannot be read."""
+    if is_fsdp_engine(engine):
+        return None
+    try:
+        chosen = engine_mode_choice(engine).mode if mode == "auto" else mode
+        if chosen != "pp_local":
+            return None
+        from megatron.core import parallel_state as mpu
+
+        groups = (
+            mpu.get_tensor_model_parallel_group(),
+            mpu.get_expert_model_parallel_group(),
+            mpu.get_expert_tensor_parallel_group(),
+        )
+        ranks = {torch.distributed.get_rank()}
+        for group in groups:
+            if group is not None:
+                ranks.update(torch.distributed.get_process_group_ranks(group))
+        return tuple(sorted(ranks))
+    except Exception as exc:  # noqa: BLE001 - every rank: a re-push around a dead rank then fails, named
+        logger.warning("p2p: could not read the export's process groups (%s): planning with every rank", exc)
+        return None
+
+
 def export_engine_stage(
     exporter: StageExporter | FullStreamExport, engine: Any, *, cpu: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:

@@ -51,7 +51,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "${pinned[@]}" verl==0.9.1 uvicorn fastapi transformers==5.10.4 megatron-core==0.19.2 einops \
     mooncake-transfer-engine-non-cuda==0.3.13.post1 \
     pybase64 msgspec pyzmq IPython sentencepiece compressed-tensors gguf openai partial-json-parser orjson \
-    pytest pytest-timeout pytest-xdist==3.8.0 ruff requests aiohttp matplotlib==3.11.2
+    pytest pytest-timeout pytest-xdist==3.8.0 ruff requests aiohttp matplotlib==3.11.2 cachetools==8.0.2
   "${pinned[@]}" --no-deps megatron-bridge==0.6.2 sglang==0.5.12
   for v in "${EXTRA_SGLANG[@]}"; do
     if [ ! -d ".venv/sglang-$v/sglang-$v.dist-info" ]; then

@@ -132,7 +132,9 @@ def setup(fakes, monkeypatch):
     monkeypatch.setattr(SourceSessionStandIn, "fail_with", None)
     monkeypatch.setattr(SourceSessionStandIn, "servers", dict(enumerate(fakes)))
     actors = ActorGroupStandIn(world_size=2)
-    config = CheckpointEngineConfig(backend="p2p", engine_kwargs={"p2p": {"http_timeout": 10}})
+    # one sync per update_weights call: these tests look at a single failed sync (test_sync_failures: the retries)
+    options = {"http_timeout": 10, "p2p_max_consecutive_failures": 1}
+    config = CheckpointEngineConfig(backend="p2p", engine_kwargs={"p2p": options})
     replicas = [ReplicaStandIn(i, f) for i, f in enumerate(fakes[:2])]
     manager = P2PCheckpointEngineManager(config=config, actor_wg=actors, replicas=list(replicas))
     yield manager, actors, replicas

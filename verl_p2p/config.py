@@ -40,6 +40,7 @@ class P2PConfig:
     p2p_push_deadline_s: float = 600.0  # seconds a trainer rank's push (export + writes) may take; late: failed
     p2p_prepare_deadline_s: float = 1200.0  # seconds a trainer rank's prepare / plan round may take; late: failed
     p2p_push_retries: int = 1  # re-pushes of failed targets within one sync (rank info re-read first); 0: none
+    p2p_max_consecutive_failures: int = 3  # the N-th failed sync in a row stops the run (1: the first one does)
     bucket_size_mb: int = 512  # one transfer-buffer slot; two slots per source
     pause_mode: str = "abort"
     http_timeout: float = 60.0  # seconds per control-plane call
@@ -99,6 +100,12 @@ class P2PConfig:
         retries = self.p2p_push_retries
         if not isinstance(retries, int) or isinstance(retries, bool) or retries < 0:
             errors.append(f"p2p_push_retries={retries!r} (a non-negative integer)")
+        failures = self.p2p_max_consecutive_failures
+        if not isinstance(failures, int) or isinstance(failures, bool) or failures < 1:
+            errors.append(
+                f"p2p_max_consecutive_failures={failures!r} (a positive integer: the number of failed syncs in a row "
+                "that stops the run; 1 stops it at the first failed sync)"
+            )
         for key in ("p2p_transfer_timeout", "http_timeout", "p2p_push_deadline_s", "p2p_prepare_deadline_s"):
             value = getattr(self, key)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:

@@ -30,6 +30,7 @@ from verl.checkpoint_engine.base import CheckpointEngineManager
 from verl.utils.ray_utils import auto_await
 
 from verl_p2p.backend import plugin
+from verl_p2p.backend.failure_policy import SyncFailurePolicy
 from verl_p2p.backend.metrics import PREFIX, sync_metrics
 from verl_p2p.backend.topology import SourceMeta, assign
 from verl_p2p.backend.waiting import failed_ranks_text, wait_each
@@ -59,6 +60,7 @@ class P2PCheckpointEngineManager(CheckpointEngineManager):
             )
         self.p2p_config = P2PConfig.from_mapping((config.engine_kwargs or {}).get(self.backend))
         self._lifecycle: Any = None
+        self._sync_failures = SyncFailurePolicy(self.p2p_config.p2p_max_consecutive_failures)
         self._checked: set[int] = set()
         self._sources: list[SourceMeta] | None = None
         self._plan_key: tuple | None = None
@@ -90,18 +92,24 @@ class P2PCheckpointEngineManager(CheckpointEngineManager):
 
     @auto_await
     async def update_weights(self, global_steps: int | None = None) -> dict:
-        """One sync to version `global_steps`; raises SyncError when any step failed, naming every replica left
-        stale (paused: the push left its weights unknown) as well as those restored."""
-        lifecycle = self._ensure_lifecycle(global_steps)
-        await self._check_new_servers(lifecycle.adapters)
-        report = await lifecycle.sync(
-            global_steps, lambda connection: self._push(connection, global_steps), prepare=self._plan_before_pause
-        )
-        out = dict(report.metrics)
-        out.update({f"{PREFIX}phase/{name}_s": seconds for name, seconds in report.phases.items()})
-        out[f"{PREFIX}reconnected"] = float(report.reconnected)
-        out[f"{PREFIX}retried_targets"] = float(len(report.retried_targets))
-        return out
+        """One sync to version `global_steps`, under `p2p_max_consecutive_failures` (backend/failure_policy.py): a
+        failed sync that left a replica paused is synced again at once; one that wrote nothing is retried by the
+        next step's call (`checkpoint_engine/p2p/sync_failed` 1); the N-th failure in a row, or a lost trainer
+        rank, raises SyncFailuresError (a SyncError naming the last failure and every replica left stale)."""
+
+        async def attempt() -> dict:
+            lifecycle = self._ensure_lifecycle(global_steps)
+            await self._check_new_servers(lifecycle.adapters)
+            report = await lifecycle.sync(
+                global_steps, lambda connection: self._push(connection, global_steps), prepare=self._plan_before_pause
+            )
+            out = dict(report.metrics)
+            out.update({f"{PREFIX}phase/{name}_s": seconds for name, seconds in report.phases.items()})
+            out[f"{PREFIX}reconnected"] = float(report.reconnected)
+            out[f"{PREFIX}retried_targets"] = float(len(report.retried_targets))
+            return out
+
+        return await self._sync_failures.run(attempt)
 
     def _ensure_lifecycle(self, global_steps: int | None) -> Any:
         if self._lifecycle is None:

@@ -110,7 +110,7 @@ def test_plan_cli_plans_an_fp8_mla_rollout_with_its_kv_scales_left_local(tmp_pat
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout)
     assert out["rollout_quant"] == "fp8" and 0 < out["rollout_bytes"] < out["hf_bytes"]
-    assert out["predicted_s"] > 0 and len(out["plans"]) == 2
+    assert out["predicted_s"] > 0 and len(out["plans"]) == 1  # one rank per layout (test_plan_fast.py)
     # the FP8 dequant's derived scales (w_scale on this CPU path) are MLA's allow-listed derivation, not a refusal
     assert not [r for r in out["refused"] if "w_scale" in r.split("allow-listed")[0]], out["refused"]
 

@@ -32,6 +32,7 @@ from verl_p2p.errors import P2PError
 from verl_p2p.planning.fp8_blocks import fp8_block_problems
 from verl_p2p.planning.fsdp import build_full_stream_plan
 from verl_p2p.planning.hf_names import hf_tensor_specs
+from verl_p2p.planning.layer_sample import LayerSample
 from verl_p2p.planning.layout import layout_from_server_args
 from verl_p2p.planning.layout_rules import check_layouts
 from verl_p2p.planning.model_cards import MODEL_CARDS, PublishedSync, card_name_of, model_card, published_for
@@ -191,13 +192,49 @@ def fp8_rollout(cfg: dict, specs: dict) -> tuple[dict, dict]:
 
 
 class Planner:
-    """Write plans per rollout layout (captured or cached), shared by every estimate of one invocation."""
+    """Write plans per rollout layout (captured or cached), shared by every estimate of one invocation.
 
-    def __init__(self, cfg: dict, specs: dict, cache: Any, quiet: bool = False):
+    An estimate needs each rank's (name, bytes, feeds) only. The ranks of one layout are one SPMD program (equal
+    parameter names and sizes, feeds from the same layers), so one rank is captured per layout; and a model whose
+    layer kinds are known (`LayerSample`) is captured at a few layers, the others named from them (`shortcut`;
+    without it every rank is captured at every layer: the check of both shortcuts, and what `rank_plan` callers
+    that need whole plans get)."""
+
+    def __init__(
+        self, cfg: dict, specs: dict, cache: Any, quiet: bool = False, sample: LayerSample | None = None,
+        one_rank: bool = False,
+    ):  # fmt: skip
+        """`sample`: cfg and specs are its short copy, planned as `sample.layers` deep; `one_rank`: capture one
+        rank per layout (without either, every rank is captured at every layer)."""
         self.cfg, self.specs, self.cache, self.quiet = cfg, specs, cache, quiet
+        self.sample = sample
+        self.layers = sample.layers if sample is not None else int(cfg["num_hidden_layers"])
+        self.one_rank = one_rank or sample is not None
         self._plans: dict[tuple, Any] = {}
+        self._params: dict[str, list] = {}
+        self._stages: dict[tuple[str, int], dict[int, list[tuple[str, int]]]] = {}
         self.captures: list[dict] = []
         self.refusals: set[str] = set()
+
+    def rank_params(self, server_args: dict, rank: int) -> list[tuple[str, int, Any]]:
+        """(name, bytes, feeds) of every parameter rollout rank `rank` holds, the whole model's."""
+        if not self.one_rank:
+            return [(p.name, p.nbytes, p.feeds) for p in self.rank_plan(server_args, rank).params.values()]
+        key = json.dumps(server_args, sort_keys=True)
+        if key not in self._params:
+            plan = self.rank_plan(server_args, 0)
+            params = [(p.name, p.nbytes, p.feeds) for p in plan.params.values()]
+            self._params[key] = self.sample.expand(params) if self.sample is not None else params
+        return self._params[key]
+
+    def rank_stages(self, server_args: dict, rank: int, pp: int) -> dict[int, list[tuple[str, int]]]:
+        """`stage_params` of one rank: computed once per layout and pp where one rank stands for all."""
+        if not self.one_rank:
+            return stage_params(self.rank_params(server_args, rank), self.layers, pp)
+        key = (json.dumps(server_args, sort_keys=True), pp)
+        if key not in self._stages:
+            self._stages[key] = stage_params(self.rank_params(server_args, rank), self.layers, pp)
+        return self._stages[key]
 
     def _log(self, text: str) -> None:
         if not self.quiet:
@@ -248,12 +285,9 @@ class Planner:
         if not _has_cuda():  # some model classes (yarn rope) ask the device; the plan's bytes do not depend on it
             server_args["device"] = "cpu"
         sources = trainer_sources(trainer)  # an FSDP trainer: every rank, one stage (it streams the whole model)
-        layers = int(self.cfg["num_hidden_layers"])
         named, keys = {}, {}
         for r in range(rollout.tp):
-            plan = self.rank_plan(server_args, r)
-            params = [(p.name, p.nbytes, p.feeds) for p in plan.params.values()]
-            named[r] = stage_params(params, layers, trainer.pp)
+            named[r] = self.rank_stages(server_args, r, trainer.pp)
             keys[r] = layout_from_server_args(server_args, r).key
         per_rank = {r: {s: sum(n for _, n in ps) for s, ps in by.items()} for r, by in named.items()}
         targets = [TargetRank(e, r) for e in range(rollout.engines) for r in range(rollout.tp)]
@@ -325,6 +359,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="what the rollout serves: the trainer's dtype (bf16) or its 128x128 block-FP8 checkpoint (fp8)",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    parser.add_argument(
+        "--every-rank",
+        action="store_true",
+        help="capture every rollout rank at every layer (slow) instead of one rank per layout and one layer per "
+        "kind; the same figures (the check of the shortcut)",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="show third-party output instead of logging it")
     parser.add_argument("--sources-per-stage", type=int, default=None, help="(--model toy) sources per stage (2)")
     parser.add_argument("--pp", type=int, default=None, help="(--model toy) pipeline stages (1)")
@@ -428,11 +468,20 @@ def _cache_text(cache: Any) -> str:
 def _run(args: argparse.Namespace, request: PlanRequest) -> int:
     trainer, rollout, published, anchors = request.trainer, request.rollout, request.published, request.anchors
     label, cfg = request.label, request.cfg
-    specs = model_specs(label, cfg, request.checkpoint)
-    hf_specs = specs
-    if args.rollout_quant == "fp8":
-        cfg, specs = fp8_rollout(cfg, specs)
+    hf_cfg = cfg
+    hf_specs = model_specs(label, cfg, request.checkpoint)
     fp8 = args.rollout_quant == "fp8"
+    # the shortcut: a few layers captured (one rank per layout), the rest named; --every-rank captures it all
+    sample = None if args.every_rank else LayerSample.of(cfg)
+    if sample is not None and not sample.covers(hf_specs):
+        sample = None
+    specs = sample.specs(hf_specs) if sample is not None else hf_specs
+    cfg = sample.config(cfg) if sample is not None else cfg
+    if fp8:
+        cfg, specs = fp8_rollout(cfg, specs)
+    rollout_bytes = sum(_numel(s) * d.itemsize for s, d in specs.values())
+    if sample is not None:
+        rollout_bytes = sample.whole_bytes({n: _numel(s) * d.itemsize for n, (s, d) in specs.items()})
     convert_gbps, rollout_nic, slot_bytes = request.convert_gbps, request.rollout_nic, request.slot_bytes
 
     from verl_p2p.replica.plan_cache import PlanCache
@@ -440,7 +489,7 @@ def _run(args: argparse.Namespace, request: PlanRequest) -> int:
 
     install_cpu_stubs()  # SGLang's model classes import GPU kernels at import time; only captures need them
     cache = PlanCache.from_option(args.plan_cache_dir)
-    planner = Planner(cfg, specs, cache, quiet=args.json)
+    planner = Planner(cfg, specs, cache, quiet=args.json, sample=sample, one_rank=not args.every_rank)
     planner._log(f"[plan] {_cache_text(cache)}")
     assumptions = assumptions_text(
         args.nic_gbps, convert_gbps, args.convert_gbps is not None, slot_bytes, fp8, rollout_nic
@@ -456,11 +505,11 @@ def _run(args: argparse.Namespace, request: PlanRequest) -> int:
     out: dict[str, Any] = {
         "model": label,
         "card": request.card,
-        "num_hidden_layers": cfg.get("num_hidden_layers"),
+        "num_hidden_layers": hf_cfg.get("num_hidden_layers"),
         "hf_tensors": len(hf_specs),
         "hf_bytes": sum(_numel(s) * d.itemsize for s, d in hf_specs.values()),
         "rollout_quant": args.rollout_quant,
-        "rollout_bytes": sum(_numel(s) * d.itemsize for s, d in specs.values()),
+        "rollout_bytes": rollout_bytes,
         "nic_gbps": args.nic_gbps,
         "rollout_nic_gbps": rollout_nic,
         "convert_gbps": convert_gbps,

@@ -5,10 +5,13 @@
 # SGLANG_STACK=0.5.21: the SGLang 0.5.21 / torch 2.13 stack instead (`scripts/gpu_wheels.sh --sglang 0.5.21`), installed
 # into $SITE21 (default /tmp/site21) by scripts/gpu_stack_install.sh from the parts in /tmp/stack21.
 set -uo pipefail
+source "$(dirname "$0")/private_dir.sh"
+# STACK and SITE last across device calls (earlier calls carry the parts; a warm machine keeps the unpacked stack),
+# so their names are fixed and checked private (scripts/private_dir.sh); the e2e's workdir lives for this call only
 STACK=${STACK:-/tmp/stack}
 SITE_ROOT=${SITE_ROOT:-/tmp}  # scripts/gpu_wheels.sh's parts unpack to $SITE_ROOT/site
 SITE="$SITE_ROOT/site"
-OUT=${OUT:-/tmp/out}
+OUT=${OUT:-$(mktemp -d)}
 mkdir -p "$OUT"
 if [ "${SGLANG_STACK:-0.5.12}" = 0.5.21 ]; then
   SITE=${SITE21:-/tmp/site21}
@@ -17,6 +20,8 @@ if [ "${SGLANG_STACK:-0.5.12}" = 0.5.21 ]; then
 elif [ "${SGLANG_STACK:-0.5.12}" != 0.5.12 ]; then
   echo "SGLANG_STACK=$SGLANG_STACK: expected 0.5.12 (the default) or 0.5.21" >&2
   exit 2
+elif ! private_dir "$STACK" STACK || ! private_dir "$SITE" SITE_ROOT; then
+  exit 3
 elif [ ! -d "$SITE/verl" ]; then
   cat "$STACK"/part.* | python3 -c 'import sys, tarfile
 tarfile.open(fileobj=sys.stdin.buffer, mode="r|xz").extractall(sys.argv[1], filter="tar")' "$SITE_ROOT" || exit 3
@@ -35,7 +40,9 @@ for name in ("torch", "sglang", "sgl_kernel", "mooncake.engine", "megatron.core"
     except Exception as exc:
         print(f"FAIL {name}: {type(exc).__name__}: {exc}")
 PY
-python3 -m verl_p2p.cli e2e --rollout sglang --workdir /tmp/e2e --out "$OUT/e2e_h200.json" "$@" 2>&1 | tee "$OUT/e2e.log"
+WORK=$(mktemp -d)
+python3 -m verl_p2p.cli e2e --rollout sglang --workdir "$WORK" --out "$OUT/e2e_h200.json" "$@" 2>&1 | tee "$OUT/e2e.log"
 status=${PIPESTATUS[0]}
-tar czf "$OUT/server_logs.tgz" /tmp/e2e/*/*.log 2>/dev/null
+tar czf "$OUT/server_logs.tgz" "$WORK"/*/*.log 2>/dev/null
+rm -rf "$WORK"
 exit "$status"

@@ -23,7 +23,10 @@
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
-OUT=${OUT:-/tmp/verl-p2p-grpo-out}
+source scripts/private_dir.sh
+OUT=${OUT:-$(mktemp -d)}
+# STACK, $SITE_ROOT/site and TINY_DIR last across device calls (carried parts, the unpacked stack, a kept model with
+# KEEP_TINY=1): fixed names, checked private below (scripts/private_dir.sh)
 STACK=${STACK:-/tmp/stack}
 SITE_ROOT=${SITE_ROOT:-/tmp}  # the stack unpacks to $SITE_ROOT/site
 RUN=${RUN:-one_step_off}
@@ -46,6 +49,9 @@ case "$TASK" in
         ;;
 esac
 export BATCH
+private_dir "$STACK" STACK || exit 2
+private_dir "$SITE_ROOT/site" SITE_ROOT || exit 2
+private_dir "$TINY_DIR" TINY_DIR || exit 2
 BUDGET_S=${BUDGET_S:-570}  # whole script, inside the device's 600 s
 mkdir -p "$OUT"
 start=$SECONDS

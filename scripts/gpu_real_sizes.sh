@@ -25,10 +25,15 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 STEP=${1:?usage: gpu_real_sizes.sh dsv3-fp8|qwen3-bf16|qwen3-fp8|qwen3-bf16-24|cost DEPTH [QUANTS]|dry}
 shift
-OUT=${OUT:-/tmp/out}
-SITE21=${SITE21:-/tmp/site21}
-WORK=${WORK:-/tmp/e2e-real}
-SHM=${SHM:-/dev/shm/e2e-real}
+source scripts/private_dir.sh
+OUT=${OUT:-$(mktemp -d)}
+SITE21=${SITE21:-/tmp/site21}  # checked private by scripts/gpu_stack_install.sh
+# the e2e's checkpoints and weight set 1 live for one call: fresh private folders (made again with mode 0700 after
+# each step's rm -rf); the cost JSON grows call by call in STATE_DIR, a fixed name checked private
+WORK=${WORK:-$(mktemp -d)}
+SHM=${SHM:-$(mktemp -d -p /dev/shm 2>/dev/null || mktemp -d)}
+STATE_DIR=${STATE_DIR:-/tmp/verl-p2p-real-sizes}
+trap 'rmdir "$WORK" "$SHM" 2>/dev/null' EXIT  # a step that made nothing there (dry) leaves no empty folder
 LIMIT_S=${LIMIT_S:-570}  # the call's 600 s, less the time to bring $OUT back
 mkdir -p "$OUT"
 py=python3
@@ -68,7 +73,7 @@ PY
 # weight set 1 (and its FP8 copy) into $SHM: refuses when $SHM has no room for them
 weights1_to_shm() { # ARCH BYTES
     local need=$2 free
-    mkdir -p "$SHM/$1" "$WORK/$1" || return 1
+    mkdir -p -m 700 "$SHM" "$WORK" && mkdir -p "$SHM/$1" "$WORK/$1" || return 1
     free=$(df --output=avail -B1 "$SHM" | tail -1)
     if [ "$free" -lt "$need" ]; then
         echo "gpu_real_sizes.sh: $SHM has $((free >> 30)) GiB free, weight set 1 needs $((need >> 30)) GiB;" \
@@ -101,7 +106,7 @@ run_e2e() { # ARCH QUANT NAME ONE_SERVER(0|1) [e2e arguments]
             "(weight set 1: $((bytes >> 30)) GiB)"
         return 0
     fi
-    rm -rf "$WORK" "$SHM" && mkdir -p "$WORK"
+    rm -rf "$WORK" "$SHM" && mkdir -p -m 700 "$WORK"
     if [ "$quant" = fp8 ] || [ "$one" = 1 ]; then  # the disk holds no four FP8 checkpoints, nor 2 x 31 GB
         weights1_to_shm "$arch" "$bytes" || exit 2
     fi
@@ -121,12 +126,13 @@ qwen3-bf16-24) run_e2e qwen3_moe bf16 e2e_GPU_sglang0521_qwen3_30b_a3b_bf16_floo
 cost)
     depth=${1:?cost DEPTH [QUANTS]}
     quants=${2:-bf16,fp8}
-    # $OUT starts empty every call: the JSON grows in /tmp while the machine stays warm, seeded from the committed
-    # one after a fresh start, and is copied back with the PNG
+    # $OUT starts empty every call: the JSON grows in $STATE_DIR while the machine stays warm, seeded from the
+    # committed one after a fresh start, and is copied back with the PNG
     name=cost_growth_${gpu}_qwen3_30b_a3b
-    state=/tmp/$name.json
+    private_dir "$STATE_DIR" STATE_DIR || exit 3
+    state=$STATE_DIR/$name.json
     [ -f "$state" ] || [ ! -f "docs/measurements/$name.json" ] || cp "docs/measurements/$name.json" "$state"
-    rm -rf "$WORK" && mkdir -p "$WORK"
+    rm -rf "$WORK" && mkdir -p -m 700 "$WORK"
     timeout "$LIMIT_S" "$py" scripts/cost_growth.py --device cuda --width real --rollout sglang --depths "$depth" \
         --quant "$quants" --workdir "$WORK" --out "$state" --png "$OUT/$name.png" --append \
         2>&1 | tee "$OUT/${name}_l$depth.log"

@@ -15,6 +15,9 @@
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
+source scripts/private_dir.sh
+# both last across device calls (parts carried call by call; the install kept while the machine stays warm): fixed
+# names, checked private before anything is copied there or run from there (scripts/private_dir.sh)
 STACK21=${STACK21:-/tmp/stack21}
 SITE21=${SITE21:-/tmp/site21}
 carried=.gpu-stack-0521
@@ -71,6 +74,10 @@ if ((dry)); then
     fi
 fi
 
+if ((!dry)); then
+    private_dir "$STACK21" STACK21 || exit 3
+    private_dir "$SITE21" SITE21 || exit 3
+fi
 if compgen -G "$carried/part.*" >/dev/null || [[ -f "$carried/parts.sha256" ]]; then  # carried by this very call
     run mkdir -p "$STACK21"
     run cp "$carried"/part.* "$carried"/parts.sha256 "$STACK21"/ 2>/dev/null
@@ -83,7 +90,7 @@ fi
 if [[ ! -f "$SITE21/.installed" ]]; then
     ((dry)) || check_parts "$STACK21" || exit 3
     run rm -rf "$STACK21/wheels" "$SITE21"
-    run mkdir -p "$STACK21/wheels"
+    run mkdir -p -m 700 "$STACK21/wheels" "$SITE21"
     echo "+ cat $STACK21/part.* | tar -x -C $STACK21/wheels"
     if ((!dry)); then
         cat "$STACK21"/part.* | tar -x -C "$STACK21/wheels" || { echo "unpacking the parts failed"; exit 3; }

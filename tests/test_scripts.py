@@ -41,6 +41,7 @@ CHECKS = {
     "gpu_stack_install.sh": SHELL,  # and --dry-run below
     "gpu_wheels.sh": SHELL,
     "setup.sh": SHELL,
+    "private_dir.sh": SHELL,  # sourced by the gpu_*.sh scripts; its checks: tests/test_private_dirs.py
 }
 
 

@@ -3,7 +3,8 @@
 #
 # Environment (all optional):
 #   MODEL_PATH, TRAIN_FILE, TEST_FILE, CKPTS_DIR   model and GSM8K-style parquet data
-#   P2P_PROTOCOL=rdma|tcp        Mooncake transport (trainer side; the conf passes it to the rollout servers)
+#   P2P_PROTOCOL=rdma|tcp        Mooncake transport: engine_kwargs.verl_p2p.protocol, set once (the conf's
+#                                callback hands it to the rollout servers as MOONCAKE_PROTOCOL)
 #   P2P_DEVICE_NAME=mlx5_0,...   trainer-side RDMA NIC(s); the rollout side reads MOONCAKE_DEVICE
 #   CHECK_WEIGHTS=1              check_weight_update_equal: the first sync must reproduce the rollout's
 #                                checkpoint bit for bit (rollout loads real weights; no resume unless RESUME=1,
@@ -14,7 +15,6 @@
 
 P2P_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PYTHON=${PYTHON:-python3}
-export MOONCAKE_PROTOCOL=${P2P_PROTOCOL:-rdma}
 export MC_LOG_LEVEL=${MC_LOG_LEVEL:-ERROR}
 export HYDRA_FULL_ERROR=1
 
@@ -22,12 +22,9 @@ P2P_KWARGS=actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.verl_p2p
 
 # Overrides every recipe adds after its own.
 p2p_overrides() {
-    # verl's run_ppo hands ray_kwargs.ray_init to ray.init without resolving interpolations, so the conf's
-    # `MOONCAKE_PROTOCOL: ${...p2p.protocol}` would reach the rollout servers as that literal text: set it plainly.
-    P2P_OVERRIDES=(
-        "${P2P_KWARGS}.protocol=${MOONCAKE_PROTOCOL}"
-        "ray_kwargs.ray_init.runtime_env.env_vars.MOONCAKE_PROTOCOL=${MOONCAKE_PROTOCOL}"
-    )
+    # the protocol once: conf/p2p/default.yaml forwards it to the Ray workers as MOONCAKE_PROTOCOL (its Hydra
+    # callback resolves the interpolation before verl's run_ppo hands ray_init to ray.init)
+    P2P_OVERRIDES=("${P2P_KWARGS}.protocol=${P2P_PROTOCOL:-rdma}")
     if [[ -n "${P2P_DEVICE_NAME:-}" ]]; then
         P2P_OVERRIDES+=("${P2P_KWARGS}.device_name=${P2P_DEVICE_NAME}")
     fi

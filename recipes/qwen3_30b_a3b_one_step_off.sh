@@ -2,7 +2,7 @@
 # GRPO, Qwen3-30B-A3B (MoE) on several nodes: verl one_step_off_policy, Megatron trainer (TP=2 PP=2 EP=8) on
 # TRAINER_NODES nodes, SGLang replicas (TP=8, EP=8, one per node) on ROLLOUT_NODES nodes, weights synced with
 # checkpoint_engine.backend=verl_p2p over RDMA through verl_p2p's manager. Start Ray on every node first (export
-# MOONCAKE_PROTOCOL=rdma and MOONCAKE_DEVICE on the rollout nodes before `ray start`), then run this on the head.
+# MOONCAKE_DEVICE on the rollout nodes before `ray start` when they have several NICs), then run this on the head.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 

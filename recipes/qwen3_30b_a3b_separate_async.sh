@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # GRPO, Qwen3-30B-A3B (MoE) on several nodes: verl v1 separate_async, Megatron trainer (TP=2 PP=2 EP=8) on
 # TRAINER_NODES nodes, standalone SGLang replicas (TP=8, EP=8, one per node) on ROLLOUT_NODES nodes, weights synced
-# with checkpoint_engine.backend=verl_p2p over RDMA. Start Ray on every node first (export MOONCAKE_PROTOCOL=rdma and
-# MOONCAKE_DEVICE on the rollout nodes before `ray start`), then run this on the head node.
+# with checkpoint_engine.backend=verl_p2p over RDMA. Start Ray on every node first (export MOONCAKE_DEVICE
+# on the rollout nodes before `ray start` when they have several NICs), then run this on the head node.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 

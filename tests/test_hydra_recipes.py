@@ -42,7 +42,8 @@ def check_p2p_config(cfg, module: str) -> RolloutConfig:
     P2PConfig.from_mapping(rollout.checkpoint_engine.engine_kwargs.verl_p2p)
     check_config(cfg, entry_of(cfg, _task(module)), guard=True)
     assert OmegaConf.to_container(cfg.hydra.callbacks) == {
-        "verl_p2p_guard": {"_target_": "verl_p2p.backend.hydra_callback.P2PGuardCallback"}
+        "verl_p2p_guard": {"_target_": "verl_p2p.backend.hydra_callback.P2PGuardCallback"},
+        "verl_p2p_ray_env": {"_target_": "verl_p2p.backend.ray_env.P2PRayEnvCallback"},
     }
     task = OmegaConf.to_container(cfg)
     del task["hydra"]  # what the task function gets
@@ -58,9 +59,13 @@ def check_p2p_config(cfg, module: str) -> RolloutConfig:
 
 
 def ray_env_as_verl_passes_it(cfg) -> dict:
-    """The Ray workers' env_vars as verl 0.9.1's run_ppo hands them to ray.init (no interpolation resolved)."""
+    """The Ray workers' env_vars as verl 0.9.1's run_ppo hands them to ray.init (no interpolation resolved there),
+    after Hydra's run-start callbacks (the config's own, as `hydra.main` calls them before the task function)."""
+    from hydra._internal.callbacks import Callbacks
     from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
 
+    cfg = cfg.copy()
+    Callbacks(cfg).on_run_start(config=cfg, config_name=None)
     ray_init = cfg.ray_kwargs.get("ray_init", {})
     runtime_env = OmegaConf.merge(get_ppo_ray_runtime_env(cfg), ray_init.get("runtime_env", {}))
     return OmegaConf.to_container(OmegaConf.create({**ray_init, "runtime_env": runtime_env}))["runtime_env"]["env_vars"]
@@ -124,7 +129,7 @@ def test_recipe_composes_and_resolves(script: Path):
     assert env["MOONCAKE_PROTOCOL"] == rollout_config.checkpoint_engine.engine_kwargs["p2p"]["protocol"]
     assert not [k for k, v in env.items() if "${" in str(v)], env  # the rollout servers would see the literal text
     assert cfg.algorithm.adv_estimator == "grpo"
-    assert cfg.actor_rollout_ref.actor.strategy == "megatron"
+    assert cfg.actor_rollout_ref.actor.strategy == ("fsdp2" if "_fsdp_" in script.name else "megatron")
     assert rollout_config.name == "sglang"
     tiny = script in TINY_RECIPES
     assert rollout_config.checkpoint_engine.engine_kwargs["verl_p2p"]["check_weight_update_equal"] is tiny
@@ -135,6 +140,8 @@ def test_recipe_composes_and_resolves(script: Path):
             cfg.trainer.v1.separate_async.parameter_sync_step * cfg.actor_rollout_ref.actor.ppo_mini_batch_size
         )  # verl's separate_async asserts this at start
         assert cfg.actor_rollout_ref.rollout.nnodes > 0
+        # separate pools: no rollout replicas on the trainer GPUs; verl's TaskRunnerV1 runs on the transfer queue
+        assert cfg.actor_rollout_ref.hybrid_engine is False and cfg.transfer_queue.enable is True
     else:
         assert cfg.actor_rollout_ref.hybrid_engine is False  # one_step_off asserts this at start
         manager = load_class_from_fqn(rollout_config.checkpoint_manager_class, "CheckpointEngineManager")

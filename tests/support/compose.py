@@ -53,11 +53,13 @@ def recipe_command(script: Path, **env: str) -> tuple[str, list[str]]:
 
 
 def task_config(cfg: DictConfig) -> DictConfig:
-    """What one_step_off's TaskRunner validates: the task config with its rollout section filled by main()."""
+    """What the entry validates: the task config, resolved; one_step_off's main() first fills the rollout section
+    from its top-level `rollout` (verl's main_ppo configs have none: their rollout section is already filled)."""
     cfg = cfg.copy()
     with open_dict(cfg):
         del cfg["hydra"]
-    cfg.actor_rollout_ref.rollout.nnodes = cfg.rollout.nnodes
-    cfg.actor_rollout_ref.rollout.n_gpus_per_node = cfg.rollout.n_gpus_per_node
+    if "rollout" in cfg:
+        cfg.actor_rollout_ref.rollout.nnodes = cfg.rollout.nnodes
+        cfg.actor_rollout_ref.rollout.n_gpus_per_node = cfg.rollout.n_gpus_per_node
     OmegaConf.resolve(cfg)
     return cfg

@@ -27,6 +27,7 @@ import os
 import socket
 import statistics
 import sys
+import tempfile
 import time
 import types
 from pathlib import Path
@@ -62,7 +63,7 @@ def _args() -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: gloo smoke test of this script")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 on cuda, fp32 on cpu")
-    p.add_argument("--workdir", default="/tmp/verl_p2p_gpu_export_check")
+    p.add_argument("--workdir", default=None, help="the checkpoint's folder, kept (default: a new temp dir)")
     p.add_argument("--json-out", default=None)
     return p.parse_args()
 
@@ -102,7 +103,9 @@ def _write_checkpoint(args: argparse.Namespace, rank: int, dtype: torch.dtype) -
     from verl_p2p.sandbox.tiny import write_tiny_checkpoint
 
     cfg = _model_config(args)
-    path = Path(args.workdir) / f"{args.arch}_h{args.hidden}_l{args.layers}_v{args.vocab}_{str(dtype)[6:]}"
+    workdir = [args.workdir or (tempfile.mkdtemp(prefix="verl_p2p_gpu_export_check-") if rank == 0 else None)]
+    dist.broadcast_object_list(workdir, src=0)  # never a fixed name in the shared /tmp: rank 0's new temp dir
+    path = Path(workdir[0]) / f"{args.arch}_h{args.hidden}_l{args.layers}_v{args.vocab}_{str(dtype)[6:]}"
     if rank == 0 and not (path / "model.safetensors").exists():
         write_tiny_checkpoint(path, args.arch, id_encoded=False, dtype=dtype, **cfg)
     dist.barrier()

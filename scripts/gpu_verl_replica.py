@@ -46,6 +46,7 @@ import os
 import socket
 import sys
 import tarfile
+import tempfile
 import threading
 import time
 import traceback
@@ -110,8 +111,8 @@ NOT_WRITTEN = ("cos_sin_cache", "inv_freq", "freqs_cis", "_weight_fp32")
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rollout", choices=("sglang", "loopback"), default="sglang")
-    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp")) / "verl_replica.json")
-    p.add_argument("--workdir", type=Path, default=Path("/tmp/verl_replica"))
+    p.add_argument("--out", type=Path, default=None, help="default: $OUT/verl_replica.json, else in a new temp dir")
+    p.add_argument("--workdir", type=Path, default=None, help="the checkpoint's folder (default: a new temp dir)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default=None, help="default: bf16 (sglang), fp32")
     p.add_argument("--replica-rank", type=int, default=1, help="> 0 shows the per-replica bootstrap port")
     p.add_argument("--bootstrap-port", type=int, default=26789, help="base engine_info_bootstrap_port")
@@ -132,6 +133,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.dtype = "bfloat16" if args.rollout == "sglang" else "float32"
     if args.gpu is None:
         args.gpu = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
+    if args.out is None:  # never a fixed name in the shared /tmp
+        args.out = Path(os.environ.get("OUT") or tempfile.mkdtemp(prefix="verl_replica-")) / "verl_replica.json"
     return args
 
 
@@ -437,7 +440,8 @@ class Run:
         self.report.data["versions"] = out
 
     def make_checkpoint(self, step: Step) -> None:
-        self.model_path = write_checkpoint(self.args.workdir, self.args.dtype)
+        workdir = self.args.workdir or Path(tempfile.mkdtemp(prefix="verl_replica-"))
+        self.model_path = write_checkpoint(workdir, self.args.dtype)
         step.info["model"] = str(self.model_path)
         step.info["dtype"] = self.args.dtype
 

@@ -1,4 +1,5 @@
-"""The command line as a user meets it, each check a `verl-p2p` subprocess: the help and version, usage errors
+"""The command line as a user meets it, each check a `verl-p2p` subprocess: the help and version (every option
+explained with its default, nothing heavy imported to print it, quiet into a closed pipe), usage errors
 (exit 2, the bad thing named), `plan`'s refusals before anything heavy runs, its quiet output, what a cold
 capture says, and alike source rows folded."""
 
@@ -158,3 +159,83 @@ def test_plan_json_stays_machine_readable_in_the_quiet_run(tiny_config):
                     "--plan-cache-dir", "")  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout)["target_bytes"].keys() == {"e0r0", "e0r1"}
+
+
+# ------------------------------------------------------------------------------------------ the help itself
+
+HEAVY = {"torch", "sglang", "verl", "megatron", "transformers", "mooncake"}
+OWN_PARSER = [c.name for c in COMMANDS if c.name != "plan"]  # plan's options: verl_p2p/cli/plan.py's own help
+
+
+def option_entries(help_text: str) -> dict[str, str]:
+    """Each option line of argparse's help (`  --opt METAVAR  text`, continued on deeper-indented lines): its
+    invocation -> its help text, joined into one line."""
+    entries: dict[str, str] = {}
+    current = None
+    for line in help_text.splitlines():
+        start = re.match(r"^  (-\S.*?)(?:\s{2,}(\S.*))?$", line)
+        if start:
+            current = start.group(1)
+            entries[current] = start.group(2) or ""
+        elif current is not None and re.match(r"^ {6,}\S", line):
+            entries[current] = f"{entries[current]} {line.strip()}".strip()
+        else:
+            current = None
+    return entries
+
+
+def test_the_help_and_the_package_description_name_both_trainers():
+    import tomllib
+
+    description = tomllib.loads(Path(ROOT, "pyproject.toml").read_text())["project"]["description"]
+    done = verl_p2p("--help")
+    for text in (done.stdout, description):
+        assert "Megatron or FSDP" in text and "Megatron trainer" not in text, text
+
+
+@pytest.mark.parametrize("command", OWN_PARSER)
+def test_every_option_says_what_it_does_and_its_default_as_typed(command):
+    """Each option has a text and ends it with its default (a required one says so); defaults read as a user types
+    them (no None, False or Python tuple); the usage names the command as the user runs it."""
+    done = verl_p2p(command, "--help")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith(f"usage: verl-p2p {command} "), done.stdout[:200]
+    entries = option_entries(done.stdout)
+    assert len(entries) > 2 and "-h, --help" in entries, done.stdout
+    for invocation, text in entries.items():
+        if invocation == "-h, --help":
+            continue
+        assert re.search(r"\(default: \S|\(required\)", text), f"{command} {invocation}: {text!r}"
+        assert text.split("(default")[0].split("(required")[0].strip(), f"{command} {invocation}: no text"
+        for python in ("None", "False", "True", "('", "['"):
+            assert python not in text, f"{command} {invocation}: {text!r}"
+
+
+def test_help_imports_nothing_heavy():
+    """`verl-p2p <command> --help` parses before torch, SGLang, verl or Megatron is imported (they cost seconds)."""
+    heavy = {}
+    for argv in (["--help"], *([c.name, "--help"] for c in COMMANDS)):
+        done = verl_p2p(*argv, python=("-X", "importtime"))
+        assert done.returncode == 0, done.stderr[-2000:]
+        heavy[argv[0]] = sorted(HEAVY & imported(done.stderr))
+    assert all(not modules for modules in heavy.values()), heavy
+
+
+def test_help_into_a_closed_pipe_exits_0_without_a_traceback():
+    """`verl-p2p -h | head -2`: the reader has gone by the time help is written (here: before the process
+    starts), with stdout buffered (a user's default) and unbuffered (PYTHONUNBUFFERED=1)."""
+    failures = []
+    for buffering in ("buffered", "unbuffered"):
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+        env.update(PYTHONPATH=ROOT, **({"PYTHONUNBUFFERED": "1"} if buffering == "unbuffered" else {}))
+        for argv in (["-h"], *([c.name, "--help"] for c in COMMANDS)):
+            read, write = os.pipe()
+            os.close(read)
+            try:
+                command = [sys.executable, "-m", "verl_p2p.cli", *argv]
+                done = subprocess.run(command, stdout=write, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+            finally:
+                os.close(write)
+            if done.returncode != 0 or done.stderr:
+                failures.append((buffering, argv[0], done.returncode, done.stderr.strip().splitlines()[-1:]))
+    assert not failures, failures

@@ -1,15 +1,20 @@
 """`verl-p2p <command>`: the command line's front door (one module per command, imported only when run).
 
-This module imports nothing heavy, so `--help`, `--version` and a mistyped command answer at once.
+This module imports nothing heavy, so `--help`, `--version` and a mistyped command answer at once; each command
+module imports torch, SGLang, verl or Megatron only after parsing, so its own `--help` does too. A reader that
+closes the pipe early (`verl-p2p -h | head -2`) ends the command quietly instead of with a traceback.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
+import select
 import sys
 from dataclasses import dataclass
 
 USAGE_ERROR = 2  # argparse's exit status for a usage error; every command uses it
+HELP = ("-h", "--help", "help")
 
 
 @dataclass(frozen=True)
@@ -19,7 +24,7 @@ class Command:
     name: str
     module: str
     summary: str
-    fixed_args: tuple[str, ...] = ()  # put before the user's arguments (a module with a sub-command)
+    function: str = "main"  # the module's `function(argv)` runs the command
 
 
 COMMANDS = (
@@ -32,7 +37,7 @@ COMMANDS = (
         "serve-loopback",
         "verl_p2p.loopback.__main__",
         "serve one loopback engine (SGLang's model classes on CPU) until interrupted",
-        fixed_args=("serve",),
+        function="serve_main",
     ),
 )
 BY_NAME = {c.name: c for c in COMMANDS}
@@ -49,7 +54,7 @@ def help_text() -> str:
     lines = [
         "usage: verl-p2p <command> [options]    (verl-p2p --version prints the version)",
         "",
-        "verl-p2p syncs Megatron trainer weights into SGLang rollout ranks over Mooncake writes.",
+        "verl-p2p syncs a verl trainer's weights (Megatron or FSDP) into SGLang rollout ranks over Mooncake writes.",
         "",
         "commands:",
         *(f"  {c.name:<{width}}  {c.summary}" for c in COMMANDS),
@@ -61,11 +66,54 @@ def help_text() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        try:
+            status = _dispatch(argv)
+        except SystemExit:  # argparse's --help and usage errors: flushed here too, then passed on
+            sys.stdout.flush()
+            raise
+        sys.stdout.flush()  # here, where a closed pipe can still be caught
+        return status
+    except BrokenPipeError:
+        closed = _closed_stdout_fds()
+        if not closed:
+            raise  # a pipe of the command's own (a child process, a socket) broke: a real failure
+        return _reader_gone(argv, closed)
+
+
+def _closed_stdout_fds() -> list[int]:
+    """The descriptors behind stdout (and a quiet run's console stream) whose reader has closed the pipe."""
+    closed = []
+    for stream in (sys.stdout, getattr(sys.stdout, "console", None)):
+        try:
+            fd = stream.fileno()
+        except (AttributeError, OSError, ValueError):  # no descriptor of its own (a test's capture)
+            continue
+        poller = select.poll()
+        poller.register(fd, 0)  # POLLERR is always reported: on a pipe's write end, its reader has gone
+        if any(event & select.POLLERR for _, event in poller.poll(0)):
+            closed.append(fd)
+    return closed
+
+
+def _reader_gone(argv: list[str], closed: list[int]) -> int:
+    """stdout's reader closed the pipe (`verl-p2p -h | head -2`): no traceback, and no second error when Python
+    flushes stdout at exit (those descriptors now write to /dev/null). Help was asked for and given as far as it
+    was read: 0; a command cut short: 141, what a shell reports when SIGPIPE ends one."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for fd in closed:
+        os.dup2(devnull, fd)
+    os.close(devnull)
+    asked_for_help = bool(argv) and (argv[0] in HELP or any(a in ("-h", "--help") for a in argv[1:]))
+    return 0 if asked_for_help else 128 + 13
+
+
+def _dispatch(argv: list[str]) -> int:
     if not argv:
         print(help_text(), file=sys.stderr)
         return USAGE_ERROR
     first, rest = argv[0], argv[1:]
-    if first in ("-h", "--help", "help"):
+    if first in HELP:
         print(help_text())
         return 0
     if first in ("-V", "--version"):
@@ -80,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return USAGE_ERROR
-    return int(importlib.import_module(command.module).main([*command.fixed_args, *rest]) or 0)
+    return int(getattr(importlib.import_module(command.module), command.function)(rest) or 0)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ A broadcast baseline runs in the same loop: the full HF checkpoint packed into t
 to every target rank over the same transport (what a ring/broadcast backend moves: each rank receives the
 whole model and converts it itself). `p2p_speedup_vs_broadcast` is broadcast seconds over push seconds
 (goal >= 0.8 x ranks per engine). `--device cpu|cuda` runs the conversion bench instead (`bench_convert`).
+torch, SGLang and Mooncake are imported once the options parsed (`--help` answers at once).
 """
 
 from __future__ import annotations
@@ -27,9 +28,8 @@ import threading
 import time
 from collections.abc import Sequence
 
-import torch
-
 from verl_p2p.cli.bench_model import MODELS, BenchShape, SyntheticStream, model_shape, numel
+from verl_p2p.cli.help import parser as command_parser
 from verl_p2p.cli.quiet import run_quietly
 from verl_p2p.planning.targets import TargetRank
 from verl_p2p.transfer.replay import raw_replay
@@ -83,6 +83,8 @@ def _broadcast_once(
 ) -> float:
     """A broadcast backend's move over the same transport and slots: every HF tensor's bytes packed into the
     slots in checkpoint order and written to every target rank, with the push's slot flow control."""
+    import torch
+
     from verl_p2p.transfer.buffers import ALIGN
 
     start = time.perf_counter()
@@ -141,6 +143,8 @@ def run_bench(
     from verl_p2p.sandbox.cpu_stubs import install_cpu_stubs
 
     install_cpu_stubs()
+    import torch
+
     from verl_p2p.planning.layout import layout_from_server_args
     from verl_p2p.replica.compiled import make_executor
     from verl_p2p.replica.stream import RankReplica
@@ -266,6 +270,8 @@ def _verify(stream: SyntheticStream, targets_of, receivers) -> bool:
     """Every receiver byte equals the replica's bytes for the same synthetic checkpoint (digests)."""
     import hashlib
 
+    import torch
+
     want_by_key = {}
     for t, replica in targets_of.items():
         if replica.key not in want_by_key:
@@ -285,6 +291,8 @@ def _verify(stream: SyntheticStream, targets_of, receivers) -> bool:
 def _verify_broadcast(stream: SyntheticStream, handles) -> bool:
     """Every broadcast receiver holds every HF tensor's bytes."""
     import hashlib
+
+    import torch
 
     want = {
         n: hashlib.blake2b(t.contiguous().reshape(-1).view(torch.uint8).numpy(), digest_size=16).hexdigest()
@@ -348,28 +356,45 @@ def format_table(r: dict) -> str:
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="verl-p2p bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="bench_p2p.json", help="JSON result path")
-    parser.add_argument("--slot-mb", type=int, default=512, help="one transfer slot (two per source); p2p default")
-    parser.add_argument("--engines", type=int, default=2)
-    parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--ep", type=int, default=2)
+def build_parser() -> argparse.ArgumentParser:
+    parser = command_parser("verl-p2p bench", __doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="bench_p2p.json", help="write the JSON result here")
+    parser.add_argument(
+        "--slot-mb", type=int, default=512, help="one transfer slot in MiB (two per source; p2p's bucket_size_mb)"
+    )
+    parser.add_argument("--engines", type=int, default=2, help="rollout engines receiving the push")
+    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks per engine")
+    parser.add_argument("--ep", type=int, default=2, help="expert-parallel size of each engine (divides --tp)")
     parser.add_argument("--model", default="bench", choices=MODELS, help="synthetic model shape")
-    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's)")
-    parser.add_argument("--experts", type=int, default=None)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--protocol", default="tcp", choices=("tcp", "rdma"))
-    parser.add_argument("--hostname", default="127.0.0.1")
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="decoder layers (default: the model's: 24 bench, 4 qwen3-30b-a3b, 2 tiny)",
+    )
+    parser.add_argument("--experts", type=int, default=None, help="routed experts per layer (default: the model's)")
+    parser.add_argument("--repeats", type=int, default=3, help="push / raw / broadcast rounds after a warm-up")
+    parser.add_argument("--protocol", default="tcp", choices=("tcp", "rdma"), help="Mooncake transport")
+    parser.add_argument("--hostname", default="127.0.0.1", help="address the source and the receivers use")
     parser.add_argument("--no-verify", action="store_true", help="skip the byte checks")
-    parser.add_argument("--executor", default="compiled", choices=("compiled", "sglang"), help="push bench executor")
+    parser.add_argument(
+        "--executor",
+        default="compiled",
+        choices=("compiled", "sglang"),
+        help="how HF tensors become a rank's bytes: compiled write plans, or SGLang's load_weights (docs/options.md)",
+    )
     parser.add_argument("--no-broadcast", action="store_true", help="skip the broadcast baseline")
     parser.add_argument(
         "--device",
         default=None,
-        help="cpu or cuda[:N]: run the conversion bench (both executors, HF tensors on this device) instead",
+        help="cpu or cuda[:N]: run the conversion bench (both executors, HF tensors on this device) instead "
+        "(default: none, the push bench)",
     )
-    parser.add_argument("--slots", default=None, help="conversion bench slot kinds, comma list of gpu,pinned,host")
+    parser.add_argument(
+        "--slots",
+        default=None,
+        help="conversion bench slot kinds, comma list of gpu,pinned,host (default: gpu,pinned on cuda, host on cpu)",
+    )
     parser.add_argument("--no-stage", action="store_true", help="conversion bench: skip the push-without-wire runs")
     parser.add_argument(
         "--fp8",
@@ -377,6 +402,11 @@ def main(argv: list[str] | None = None) -> int:
         help="conversion bench: also FP8 targets (128x128 block FP8, the quantize step included) beside bf16",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="show third-party output instead of logging it")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     argv = list(sys.argv[1:] if argv is None else argv)
     return run_quietly("bench", args.verbose, lambda: _main(args, argv))

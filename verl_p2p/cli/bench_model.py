@@ -5,8 +5,10 @@ from __future__ import annotations
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported by the stream, not by `verl-p2p bench --help`
+    import torch
 
 # Qwen3-30B-A3B's published shape (its model card); the conversion bench runs a few of its layers.
 QWEN3_30B_A3B = dict(
@@ -91,6 +93,8 @@ class SyntheticStream:
     a new tensor object per sync, so the staging accounting sees how long the push keeps it alive."""
 
     def __init__(self, specs: dict[str, tuple[tuple[int, ...], torch.dtype]], seed: int = 0) -> None:
+        import torch
+
         self.specs = specs
         largest = max(numel(s) for s, _ in specs.values())
         gen = torch.Generator().manual_seed(seed)

@@ -13,7 +13,7 @@ tcp writes, bump version, end, resume KV, resume) and checks the result bit for 
 Quiet by default: third-party warnings, logs and child processes' output go to a log file whose path is
 printed (`-v` shows them). Exits 1 on any mismatch. `--corrupt-after-step N` (hidden, for the negative-control
 test) flips one byte of one rank right after step N's sync, so that step's check must report it and the run
-must exit 1.
+must exit 1. torch, SGLang and Megatron are imported once the options parsed (`--help` answers at once).
 """
 
 from __future__ import annotations
@@ -25,11 +25,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
+from verl_p2p.cli.help import parser as command_parser
 from verl_p2p.cli.quiet import progress, run_quietly
+
+if TYPE_CHECKING:
+    import torch
 
 ENGINES = (("TP2/EP2", 2, 2), ("TP2/EP1", 2, 1))
 
@@ -41,6 +43,8 @@ def _scale(step: int) -> float:
 def trainer_engine(model_dir: Path, parallel: Any = None) -> Any:
     """verl's real MegatronEngine class holding a Megatron-Bridge model of `model_dir` (default: a world of one,
     gloo; with `parallel`, this rank's part of an already initialised process group)."""
+    import torch
+
     from verl_p2p.sandbox.cpu_megatron import free_port, init_distributed, megatron_engine_shell
 
     if not torch.distributed.is_initialized():
@@ -49,6 +53,8 @@ def trainer_engine(model_dir: Path, parallel: Any = None) -> Any:
 
 
 def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    import torch
+
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
@@ -74,6 +80,8 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
 
 
 async def _run(args: argparse.Namespace, workdir: Path) -> int:
+    import torch
+
     from verl_p2p.backend.topology import sole_source_assignment
     from verl_p2p.config import P2PConfig
     from verl_p2p.loopback.engine import EngineSpec, LoopbackEngine
@@ -215,14 +223,22 @@ def lifecycle_phase_table(phases: dict[str, float]) -> str:
     return _table([[k, f"{v:.4f}"] for k, v in phases.items()], ["phase", "seconds"])
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="verl-p2p demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=4, help="syncs to run (step 0 plus perturbed steps)")
-    parser.add_argument("--bucket-mb", type=int, default=1, help="transfer slot size (small: exercises chunking)")
-    parser.add_argument("--seed", type=int, default=0)
+def build_parser() -> argparse.ArgumentParser:
+    parser = command_parser("verl-p2p demo", __doc__.splitlines()[0])
+    parser.add_argument(
+        "--steps", type=int, default=4, help="syncs to run: step 0 (weights_checker compare) plus scaled steps"
+    )
+    parser.add_argument(
+        "--bucket-mb", type=int, default=1, help="transfer slot size in MiB (small: exercises chunking)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the tiny Qwen3-MoE checkpoint's weights")
     parser.add_argument("-v", "--verbose", action="store_true", help="show third-party output instead of logging it")
     parser.add_argument("--corrupt-after-step", type=int, default=None, help=argparse.SUPPRESS)  # see the docstring
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     return run_quietly("demo", args.verbose, lambda: _main(args))
 
 

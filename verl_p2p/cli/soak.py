@@ -13,21 +13,26 @@ import json
 import sys
 from typing import Any
 
+from verl_p2p.cli.help import parser as command_parser
 from verl_p2p.e2e.leaks import LeakLimit, LeakLimits
 from verl_p2p.e2e.loopback_soak import FAULTS, SoakOptions, run_soak
 
-__all__ = ["FAULTS", "SoakOptions", "main", "run_soak"]
+__all__ = ["FAULTS", "SoakOptions", "build_parser", "main", "run_soak"]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="verl-p2p soak", description=__doc__.splitlines()[0])
-    parser.add_argument("--syncs", type=int, default=200)
+def build_parser() -> argparse.ArgumentParser:
+    parser = command_parser("verl-p2p soak", __doc__.splitlines()[0])
+    parser.add_argument("--syncs", type=int, default=200, help="syncs to run")
     parser.add_argument("--fault-every", type=int, default=10, help="every N-th sync gets the next fault (0: none)")
     parser.add_argument("--warmup", type=int, default=20, help="syncs before resource growth is measured")
-    parser.add_argument("--http-timeout", type=float, default=None, help="default: 5 (in-process), 10 (--rollout)")
-    parser.add_argument("--transfer-timeout", type=float, default=None, help="default: 2 (in-process), 3 (--rollout)")
+    parser.add_argument(
+        "--http-timeout", type=float, default=None, help="seconds per control call (default: 5; 10 with --rollout)"
+    )
+    parser.add_argument(
+        "--transfer-timeout", type=float, default=None, help="seconds per push (default: 2; 3 with --rollout)"
+    )
     parser.add_argument("--engines", default="2:2,1:1,1:1", help="loopback engines as tp:ep, comma separated")
-    parser.add_argument("--out", default=None, help="write the JSON report here")
+    parser.add_argument("--out", default=None, help="write the JSON report here (default: none, no file)")
     defaults = LeakLimits()
     leak = parser.add_argument_group(
         "leak limits",
@@ -40,23 +45,48 @@ def main(argv: list[str] | None = None) -> int:
             f"--leak-{key.replace('_', '-')}-per-100",
             type=float,
             default=limit.per_100_syncs,
-            help=f"{unit} per 100 syncs (default {limit.per_100_syncs}; floor {limit.floor})",
+            help=f"{unit} per 100 syncs (default: {limit.per_100_syncs}; floor {limit.floor})",
         )
     real = parser.add_argument_group(
         "trainer process into one rollout server (--rollout)",
         "faults: trainer killed, wrong session, scheduler frozen, server restarted (verl_p2p/e2e/soak.py)",
     )
-    real.add_argument("--rollout", choices=("sglang", "loopback"), default=None, help="run that soak instead")
-    real.add_argument("--max-restarts", type=int, default=None, help="per restarting fault kind (default: no cap)")
-    real.add_argument("--model", choices=("qwen3", "qwen3_moe"), default="qwen3")
-    real.add_argument("--size", choices=("tiny", "gpu"), default=None, help="default: gpu (sglang), tiny (loopback)")
-    real.add_argument("--time-budget-s", type=float, default=None, help="start no sync after this long (reported)")
-    real.add_argument("--probe-timeout", type=float, default=2.0, help="a stale rollout must not answer within it")
+    real.add_argument(
+        "--rollout",
+        choices=("sglang", "loopback"),
+        default=None,
+        help="run that soak instead (default: none: loopback engines in a child process, driven from this one)",
+    )
+    real.add_argument(
+        "--max-restarts", type=int, default=None, help="most restarts per restarting fault kind (default: no cap)"
+    )
+    real.add_argument("--model", choices=("qwen3", "qwen3_moe"), default="qwen3", help="model the rollout serves")
+    real.add_argument(
+        "--size", choices=("tiny", "gpu"), default=None, help="model shape (default: gpu for sglang, tiny for loopback)"
+    )
+    real.add_argument(
+        "--time-budget-s",
+        type=float,
+        default=None,
+        help="start no sync after this many seconds, reported (default: none, every sync runs)",
+    )
+    real.add_argument(
+        "--probe-timeout", type=float, default=2.0, help="seconds within which a stale rollout must not answer"
+    )
     real.add_argument(
         "--generate-every", type=int, default=1, help="compare generations every N-th sync (and around faults)"
     )
     real.add_argument("--mem-fraction", type=float, default=0.12, help="SGLang --mem-fraction-static")
-    real.add_argument("--workdir", default=None, help="keep the checkpoints and server logs here")
+    real.add_argument(
+        "--workdir",
+        default=None,
+        help="keep the checkpoints and server logs here (default: a temporary directory, removed after)",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.fault_every == 1:
         parser.error("--fault-every must be 0 or >= 2: a faulted sync is followed by one that must recover")

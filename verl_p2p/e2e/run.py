@@ -37,6 +37,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from verl_p2p.cli.help import parser as command_parser
 from verl_p2p.e2e.checks import Check, Expectation, IndistinctWeightSetsError, require_distinct_generations
 from verl_p2p.e2e.drills import Drills
 from verl_p2p.e2e.records import SyncRecord, pause_and_raw_figures, paused_seconds, summary_text
@@ -398,16 +399,26 @@ async def _run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="verl-p2p e2e", description=__doc__.splitlines()[0])
-    parser.add_argument("--rollout", choices=("sglang", "loopback"), default="loopback")
+    parser = command_parser("verl-p2p e2e", __doc__.splitlines()[0])
+    parser.add_argument(
+        "--rollout",
+        choices=("sglang", "loopback"),
+        default="loopback",
+        help="the rollout under test: real SGLang servers (GPU) or loopback engines (CPU)",
+    )
     parser.add_argument(
         "--models",
         default="qwen3,qwen3_moe",
-        help=f"comma list of {', '.join(SIZES['tiny'])} (deepseek_v3: MLA, needs a rollout with sessions)",
+        help=f"comma list of {','.join(SIZES['tiny'])} (deepseek_v3: MLA, needs a rollout with sessions)",
     )
-    parser.add_argument("--size", choices=tuple(SIZES), default=None, help="default: gpu for sglang, tiny for loopback")
     parser.add_argument(
-        "--layers", type=int, default=None, help="the models' depth instead of the --size shape's (the GPU's room)"
+        "--size", choices=tuple(SIZES), default=None, help="model shapes (default: gpu for sglang, tiny for loopback)"
+    )
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="the models' depth instead of the --size shape's, for the GPU's room (default: the shape's)",
     )
     parser.add_argument(
         "--one-server-at-a-time",
@@ -415,27 +426,53 @@ def build_parser() -> argparse.ArgumentParser:
         help="the fresh reference server loads, answers and stops before the rollout under test starts (the same "
         "checks, a longer set-up; what lets a model that two servers cannot share a GPU with be checked)",
     )
-    parser.add_argument("--device", choices=("cuda", "cpu"), default=None, help="trainer device (default by rollout)")
+    parser.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default=None,
+        help="trainer device (default: cuda for sglang, cpu for loopback)",
+    )
     parser.add_argument("--syncs", type=int, default=3, help="plain syncs before the drills (the first is checked)")
     parser.add_argument(
         "--raw-syncs", type=int, default=1, help="syncs whose push is put beside a raw replay of its write lists"
     )
-    parser.add_argument("--drills", default=",".join(DRILLS), help=f"comma list of {DRILLS}, or none")
-    parser.add_argument("--bucket-mb", type=int, default=16)
-    parser.add_argument("--staging", choices=("auto", "gpu", "pinned"), default="auto")
-    parser.add_argument("--executor", choices=("compiled", "sglang"), default="compiled")
-    parser.add_argument("--transfer-timeout", type=float, default=20.0)
-    parser.add_argument("--http-timeout", type=float, default=30.0)
-    parser.add_argument("--bootstrap-port", type=int, default=26789)
-    parser.add_argument("--mem-fraction", type=float, default=0.12)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--drills", default=",".join(DRILLS), help=f"comma list of {','.join(DRILLS)}, or none")
+    parser.add_argument("--bucket-mb", type=int, default=16, help="transfer slot size in MiB (bucket_size_mb)")
+    parser.add_argument(
+        "--staging",
+        choices=("auto", "gpu", "pinned"),
+        default="auto",
+        help="where the trainer's transfer slots live (docs/options.md, staging)",
+    )
+    parser.add_argument(
+        "--executor",
+        choices=("compiled", "sglang"),
+        default="compiled",
+        help="how HF tensors become a rank's bytes: compiled write plans, or SGLang's load_weights",
+    )
+    parser.add_argument("--transfer-timeout", type=float, default=20.0, help="seconds per push (p2p_transfer_timeout)")
+    parser.add_argument("--http-timeout", type=float, default=30.0, help="seconds per control call (http_timeout)")
+    parser.add_argument(
+        "--bootstrap-port",
+        type=int,
+        default=26789,
+        help="SGLang disaggregation bootstrap port base: rollout replica r listens on this + r",
+    )
+    parser.add_argument(
+        "--mem-fraction", type=float, default=0.12, help="SGLang --mem-fraction-static of each real server"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the checkpoints' weights")
     parser.add_argument(
         "--fp8",
         action="store_true",
         help="rollouts serve 128x128 block-FP8 copies of the trainer's checkpoints (needs --size gpu shapes)",
     )
-    parser.add_argument("--workdir", default=None)
-    parser.add_argument("--out", default=None, help="write the JSON report here")
+    parser.add_argument(
+        "--workdir",
+        default=None,
+        help="keep the checkpoints and server logs here (default: a temporary directory, removed after)",
+    )
+    parser.add_argument("--out", default=None, help="write the JSON report here (default: none, no file)")
     return parser
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from verl_p2p.cli import USAGE_ERROR
+from verl_p2p.cli.plan_memory import DEFAULT_GPU, DEFAULT_GPU_MEM_GB, MemoryFit, candidates, refusal
 from verl_p2p.cli.plan_report import (
     assumptions_text,
     estimate_json,
@@ -227,6 +228,18 @@ class Planner:
             self._params[key] = self.sample.expand(params) if self.sample is not None else params
         return self._params[key]
 
+    def server_args_of(self, rollout: Parallelism) -> dict:
+        server_args = rollout_server_args(rollout, dtype=str(self.cfg.get("torch_dtype") or "bfloat16"))
+        if not _has_cuda():  # some model classes (yarn rope) ask the device; the plan's bytes do not depend on it
+            server_args["device"] = "cpu"
+        return server_args
+
+    def rank_bytes(self, rollout: Parallelism) -> int:
+        """The largest rank's bytes of a rollout layout (from its write plans)."""
+        server_args = self.server_args_of(rollout)
+        ranks = [0] if self.one_rank else range(rollout.tp)
+        return max(sum(n for _, n, _ in self.rank_params(server_args, r)) for r in ranks)
+
     def rank_stages(self, server_args: dict, rank: int, pp: int) -> dict[int, list[tuple[str, int]]]:
         """`stage_params` of one rank: computed once per layout and pp where one rank stands for all."""
         if not self.one_rank:
@@ -281,9 +294,7 @@ class Planner:
     ) -> tuple[SyncEstimate, dict]:
         """The estimate of one layout pair; `split`: several sources per target where a stage has more ranks
         than there are targets (what p2p does), else one (idle ranks)."""
-        server_args = rollout_server_args(rollout, dtype=str(self.cfg.get("torch_dtype") or "bfloat16"))
-        if not _has_cuda():  # some model classes (yarn rope) ask the device; the plan's bytes do not depend on it
-            server_args["device"] = "cpu"
+        server_args = self.server_args_of(rollout)
         sources = trainer_sources(trainer)  # an FSDP trainer: every rank, one stage (it streams the whole model)
         named, keys = {}, {}
         for r in range(rollout.tp):
@@ -350,6 +361,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--convert-gbps", type=float, default=None, help="conversion throughput per source, GB/s")
     parser.add_argument("--bucket-mb", type=int, default=512, help="transfer slot size (bucket_size_mb)")
+    parser.add_argument(
+        "--gpu-mem",
+        type=float,
+        default=DEFAULT_GPU_MEM_GB,
+        help=f"GB of one GPU (default {DEFAULT_GPU_MEM_GB:g}: an {DEFAULT_GPU}; 141 for an H200): a layout whose "
+        "rollout rank weights or trainer staging exceed it is refused, with the nearest layouts that fit",
+    )
     parser.add_argument("--anchors", action="store_true", help="predict at the published figures' layouts")
     parser.add_argument("--plan-cache-dir", default=None, help="plan cache directory ('' disables)")
     parser.add_argument(
@@ -436,8 +454,8 @@ def check_request(args: argparse.Namespace) -> PlanRequest:
     measured = DEFAULT_FP8_CONVERT_GBPS if fp8 else DEFAULT_CONVERT_GBPS
     convert_gbps = args.convert_gbps if args.convert_gbps is not None else measured
     rollout_nic = args.rollout_nic_gbps if args.rollout_nic_gbps is not None else args.nic_gbps
-    if args.nic_gbps <= 0 or rollout_nic <= 0 or convert_gbps <= 0 or args.bucket_mb <= 0:
-        raise UsageError("--nic-gbps, --rollout-nic-gbps, --convert-gbps and --bucket-mb must be positive")
+    if args.nic_gbps <= 0 or rollout_nic <= 0 or convert_gbps <= 0 or args.bucket_mb <= 0 or args.gpu_mem <= 0:
+        raise UsageError("--nic-gbps, --rollout-nic-gbps, --convert-gbps, --bucket-mb and --gpu-mem must be positive")
     pairs = [(p.trainer, p.rollout) for p in published] if anchors else [(trainer, rollout)]
     for t, r in pairs:
         try:
@@ -502,6 +520,12 @@ def _run(args: argparse.Namespace, request: PlanRequest) -> int:
         unsplit, _ = planner.estimate(trainer, rollout, *network, split=False, rollout_nic=rollout_nic)
         return est, unsplit
 
+    gpu_bytes = int(args.gpu_mem * 1e9)
+    gpu = DEFAULT_GPU if args.gpu_mem == DEFAULT_GPU_MEM_GB else f"{args.gpu_mem:g} GB"
+
+    def fit_of(est: SyncEstimate) -> MemoryFit:
+        return MemoryFit(gpu_bytes, max(est.target_bytes.values(), default=0), 2 * slot_bytes)
+
     out: dict[str, Any] = {
         "model": label,
         "card": request.card,
@@ -528,11 +552,24 @@ def _run(args: argparse.Namespace, request: PlanRequest) -> int:
                     "assumed": p.assumed,
                     **estimate_json(est, p.trainer, p.rollout),
                     **without_split_json(unsplit),
+                    "memory": fit_of(est).json(),
                 }
             )
         out["anchors"] = rows
     else:
         est, unsplit = estimates(trainer, rollout)
+        fit = fit_of(est)
+        if not fit.fits:
+            nearest = []
+            for c in candidates(hf_cfg, rollout):
+                if fp8 and fp8_block_problems(hf_cfg, c):
+                    continue
+                nearest.append((c, planner.rank_bytes(c)))
+                if sum(n <= gpu_bytes for _, n in nearest) >= 2:
+                    break
+            print(f"verl-p2p plan: {refusal(fit, rollout, gpu, nearest, gb_text)}", file=sys.stderr)
+            return USAGE_ERROR
+        out["memory"] = fit.json()
         out.update(estimate_json(est, trainer, rollout))
         out.update(without_split_json(unsplit))
         out["published"] = [{"system": p.system, "published": p.figure(), "setting": p.setting} for p in published]
@@ -562,8 +599,18 @@ def _run(args: argparse.Namespace, request: PlanRequest) -> int:
             )
         for row in out["anchors"]:
             print(f"  {row['system']} {row['published']}: {row['setting']}; assumed: {row['assumed']}")
+            if not row["memory"]["fits"]:
+                print(
+                    f"    does not fit a {gpu} GPU: a rollout rank holds "
+                    f"{gb_text(row['memory']['rollout_rank_bytes'])} (--gpu-mem)"
+                )
     else:
         print_estimate(est, trainer, rollout, unsplit)
+        tight = " (tight: little room for the KV cache)" if fit.tight else ""
+        print(
+            f"memory: a rollout rank holds {gb_text(fit.rollout_rank_bytes)} of weights, a trainer source stages "
+            f"{gb_text(fit.staging_bytes)}; fits a {gpu} GPU{tight}"
+        )
         for p in published:
             print(f"published for this model: {published_line(p)}")
     print("assumptions: " + "; ".join(f"{k}: {v}" for k, v in assumptions.items()))

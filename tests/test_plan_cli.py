@@ -289,4 +289,7 @@ def test_plan_an_fsdp_trainer_every_rank_sends_a_part_of_every_target(tiny_model
     for engine, rank in ((0, 0), (0, 1), (1, 0), (1, 1)):
         assert sum(links[(s, engine, rank)] for s in range(4)) == whole
     assert out["senders"] == 4 and out["trainer"]["layout"] == "fsdp=4"
+    # its export is every rank's full-tensor gathers, not Megatron's (what the footer names as left out)
+    assert "FSDP rank's full-tensor gathers" in out["assumptions"]["not_counted"]
+    assert "Megatron" not in out["assumptions"]["not_counted"]
     assert cli_main(["plan", "--model", str(path), "--trainer", "fsdp=4,tp=2", "--rollout", "tp=2"]) == 2

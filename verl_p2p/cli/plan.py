@@ -509,8 +509,9 @@ def _run(args: argparse.Namespace, request: PlanRequest) -> int:
     cache = PlanCache.from_option(args.plan_cache_dir)
     planner = Planner(cfg, specs, cache, quiet=args.json, sample=sample, one_rank=not args.every_rank)
     planner._log(f"[plan] {_cache_text(cache)}")
+    fsdp = trainer is not None and trainer.fsdp is not None
     assumptions = assumptions_text(
-        args.nic_gbps, convert_gbps, args.convert_gbps is not None, slot_bytes, fp8, rollout_nic
+        args.nic_gbps, convert_gbps, args.convert_gbps is not None, slot_bytes, fp8, rollout_nic, fsdp
     )
 
     def estimates(trainer: Parallelism, rollout: Parallelism) -> tuple[SyncEstimate, SyncEstimate]:

@@ -129,9 +129,11 @@ def assumptions_text(
     slot_bytes: int,
     fp8: bool,
     rollout_nic: float,
+    fsdp: bool = False,
 ) -> dict:
     measured = DEFAULT_FP8_CONVERT_SOURCE if fp8 else DEFAULT_CONVERT_SOURCE
     source = "given with --convert-gbps" if convert_given else measured
+    export = "every FSDP rank's full-tensor gathers" if fsdp else "Megatron-Bridge's in-stage all-gathers"
     return {
         "nic": f"one {nic_gbits:g} Gb/s NIC per trainer GPU ({nic_gbits / 8:g} GB/s)",
         "rollout_nic": f"one {rollout_nic:g} Gb/s NIC per rollout GPU ({rollout_nic / 8:g} GB/s): a target rank's "
@@ -139,7 +141,7 @@ def assumptions_text(
         "convert": f"{convert_gbps:g} GB/s of rollout bytes produced per source ({source})",
         "pipeline": f"two transfer slots of {slot_bytes >> 20} MB: predicted = max(max(convert, wire) + one "
         "slot, the largest target's receive time)",
-        "not_counted": "the trainer's HF export (Megatron all-gathers) and the rollout's pause/resume calls",
+        "not_counted": f"the trainer's HF export ({export}) and the rollout's pause/resume calls",
     }
 
 

@@ -133,7 +133,7 @@ def assumptions_text(
 ) -> dict:
     measured = DEFAULT_FP8_CONVERT_SOURCE if fp8 else DEFAULT_CONVERT_SOURCE
     source = "given with --convert-gbps" if convert_given else measured
-    export = "every FSDP rank's full-tensor gathers" if fsdp else "Megatron-Bridge's in-stage all-gathers"
+    export = "every FSDP rank's full-tensor gathers" if fsdp else "Megatron all-gathers"
     return {
         "nic": f"one {nic_gbits:g} Gb/s NIC per trainer GPU ({nic_gbits / 8:g} GB/s)",
         "rollout_nic": f"one {rollout_nic:g} Gb/s NIC per rollout GPU ({rollout_nic / 8:g} GB/s): a target rank's "

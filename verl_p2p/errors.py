@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Iterable
 from typing import Any
 
@@ -11,17 +12,31 @@ class P2PError(RuntimeError):
 
     Picklable whatever a subclass's constructor takes: Ray sends a worker's exception to the driver by pickle,
     and an exception that cannot be rebuilt there arrives as "Failed to deserialize exception", its message lost.
+    Its `__cause__` travels with it (plain pickling drops it): the driver reads what a trainer rank's push error
+    wraps (the targets it named, a go/no-go refusal, a write still in flight) to decide what a re-push may ask.
     """
 
     def __reduce__(self):
-        return (_rebuild_error, (type(self), self.args, dict(self.__dict__)))
+        return (_rebuild_error, (type(self), self.args, dict(self.__dict__), _portable_cause(self.__cause__)))
 
 
-def _rebuild_error(cls: type, args: tuple, state: dict) -> BaseException:
+def _rebuild_error(cls: type, args: tuple, state: dict, cause: BaseException | None = None) -> BaseException:
     error = cls.__new__(cls)
     Exception.__init__(error, *args)
     error.__dict__.update(state)
+    error.__cause__ = cause
     return error
+
+
+def _portable_cause(cause: BaseException | None) -> BaseException | None:
+    """`cause` as it can travel with its error: itself when it pickles, else a P2PError with its type and text."""
+    if cause is None or isinstance(cause, P2PError):
+        return cause
+    try:
+        pickle.dumps(cause)
+    except Exception:  # noqa: BLE001 - any exception that cannot be pickled travels as its text
+        return P2PError(f"{type(cause).__name__}: {cause}")
+    return cause
 
 
 class P2PConfigError(P2PError, ValueError):
@@ -57,21 +72,51 @@ class RolloutHTTPError(P2PError):
     """A rollout server answered an error, or did not answer in time."""
 
 
-def unknown_targets_of(error: BaseException) -> frozenset | None:
-    """The `unknown_targets` a failed push's exception carries (also inside Ray's RayTaskError and through
-    `raise ... from`); None when no exception in the chain knows them."""
+class WriteInFlightError(TransferError):
+    """A push that refused targets because a write call to them from an earlier push is still in flight (blocked
+    in the transport) and may still land. `in_flight_targets`: those targets; no other rank may write them until
+    that call returned (its older bytes would land over the newer ones)."""
+
+    def __init__(
+        self, message: str, unknown_targets: Iterable[Any] | None = None, in_flight_targets: Iterable[Any] = ()
+    ):
+        super().__init__(message, unknown_targets)
+        self.in_flight_targets = frozenset(in_flight_targets)
+
+
+def error_chain(error: BaseException) -> list[BaseException]:
+    """`error` and every exception behind it, nearest first: Ray's RayTaskError `cause` and `raise ... from`."""
     seen: set[int] = set()
+    chain: list[BaseException] = []
     todo: list[BaseException | None] = [error]
     while todo:
         exc = todo.pop(0)
         if exc is None or id(exc) in seen:
             continue
         seen.add(id(exc))
+        chain.append(exc)
+        todo += [getattr(exc, "cause", None), exc.__cause__]
+    return chain
+
+
+def unknown_targets_of(error: BaseException) -> frozenset | None:
+    """The `unknown_targets` a failed push's exception carries (also inside Ray's RayTaskError and through
+    `raise ... from`); None when no exception in the chain knows them."""
+    for exc in error_chain(error):
         targets = getattr(exc, "unknown_targets", None)
         if isinstance(targets, frozenset):
             return targets
-        todo += [getattr(exc, "cause", None), exc.__cause__]
     return None
+
+
+def in_flight_targets_of(error: BaseException) -> frozenset:
+    """Every target a failed push refused because a write call to it is still in flight (WriteInFlightError)."""
+    found: frozenset = frozenset()
+    for exc in error_chain(error):
+        targets = getattr(exc, "in_flight_targets", None)
+        if isinstance(targets, frozenset):
+            found |= targets
+    return found
 
 
 def first_line(error: BaseException, limit: int = 300) -> str:

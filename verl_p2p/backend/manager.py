@@ -32,10 +32,18 @@ from verl.utils.ray_utils import auto_await
 from verl_p2p.backend import plugin
 from verl_p2p.backend.failure_policy import SyncFailurePolicy
 from verl_p2p.backend.metrics import PREFIX, sync_metrics
+from verl_p2p.backend.outcomes import (
+    Kind,
+    RankOutcome,
+    classify,
+    not_waited_for,
+    repush_exclusions,
+    unreachable_ranks,
+)
 from verl_p2p.backend.topology import SourceMeta, assign
-from verl_p2p.backend.waiting import failed_ranks_text, wait_each
+from verl_p2p.backend.waiting import describe, failed_ranks_text, wait_each
 from verl_p2p.config import P2PConfig
-from verl_p2p.errors import P2PConfigError, P2PError, PushError, first_line, unknown_targets_of
+from verl_p2p.errors import P2PConfigError, P2PError, PushError, first_line, in_flight_targets_of, unknown_targets_of
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +73,12 @@ class P2PCheckpointEngineManager(CheckpointEngineManager):
         self._sources: list[SourceMeta] | None = None
         self._plan_key: tuple | None = None
         self._assigned: list[tuple] = []  # per trainer rank (worker-group order): the targets it writes
-        # trainer ranks (global rank) whose push failed, died or was late in this sync: a re-push plans around them
-        self._failed_ranks: set[int] = set()
+        # this sync's trainer ranks (global rank) whose push did not succeed, classified (backend/outcomes.py): a
+        # re-push plans around those that died, were late or failed naming no target
+        self._outcomes: dict[int, RankOutcome] = {}
+        # targets a write call of this sync may still land in -> the trainer rank holding the call (None: not known
+        # which): kept out of every re-push of this sync
+        self._busy: dict[Any, int | None] = {}
         self._generation = 0
         self.trainer_rounds = 0  # Ray rounds to the trainer other than the per-sync push (for tests and logs)
 
@@ -142,15 +154,19 @@ class P2PCheckpointEngineManager(CheckpointEngineManager):
 
     async def _ensure_plan(self, connection: Any, in_pause: bool) -> None:
         """Plan `connection` and hand out the assignments unless the trainer holds that plan already. A re-push
-        (a partial connection) plans around the trainer ranks whose push failed: they get idle assignments (they
-        still run the export, which is collective), and only the other ranks' answers are waited for."""
+        (a partial connection) plans around the trainer ranks that died, were late or failed naming no target,
+        and prefers other senders over a rank whose targets failed (`outcomes.repush_exclusions`): those get idle
+        assignments (they still run the export, which is collective), and only the other ranks' answers are
+        waited for."""
         sources = await self._source_metas()
         # engines whose begin answered 404 (no weight-update sessions): the trainer refuses models needing post-load
         # (before the first begin: what the server's release says, so that the begin's answer changes nothing)
         sessionless = self._lifecycle.sessionless_engines()
-        excluded = frozenset(self._failed_ranks) if connection.partial else frozenset()
+        excluded = repush_exclusions(sources, self._outcomes) if connection.partial else frozenset()
+        unreachable = unreachable_ranks(self._outcomes) if connection.partial else frozenset()
+        skip = not_waited_for(sources, self._outcomes) if connection.partial else frozenset()
         # a re-push is a plan of its own
-        key = (connection.generation, tuple(connection.targets), tuple(sources), sessionless, excluded)
+        key = (connection.generation, tuple(connection.targets), tuple(sources), sessionless, excluded, unreachable)
         if key == self._plan_key:
             return
         if in_pause and not connection.partial:
@@ -169,13 +185,14 @@ class P2PCheckpointEngineManager(CheckpointEngineManager):
             self._generation,
             sessionless,
             exclude=excluded,
+            unreachable=unreachable,
         )
         # every rank reports its own outcome to this driver: no outcome exchange between the ranks to wait on;
         # inside the pause (a re-push's plan, or one the pause changed) no connection is opened by a read first
         ordered = [
             dataclasses.replace(assignments[s.rank], driver_collects=True, warm_up=not in_pause) for s in sources
         ]
-        needed = [i for i, s in enumerate(sources) if s.rank not in excluded]
+        needed = [i for i, s in enumerate(sources) if s.rank not in skip]
         calls = self.actor_wg.execute_checkpoint_engine(
             method=["init_process_group"] * len(sources), assignment=ordered
         )
@@ -195,8 +212,48 @@ class P2PCheckpointEngineManager(CheckpointEngineManager):
         self._assigned = [tuple(a.targets) for a in ordered]
 
     async def _push(self, connection: Any, global_steps: int | None) -> dict:
-        """The lifecycle's push step: every trainer rank exports and writes (a re-push's partial plan, or one the
-        pause changed, is handed out first); each reports its own outcome and metrics, combined here."""
+        """The lifecycle's push step. A re-push leaves out the targets a write call of this sync may still land in
+        (a late rank's, or refused for a call still in flight): they stay unknown, named in its error."""
+        if not connection.partial:
+            self._outcomes, self._busy = {}, {}
+        held = {t: self._busy[t] for t in connection.targets if t in self._busy} if connection.partial else {}
+        if not held:
+            return await self._push_planned(connection, global_steps)
+        rest = _without(connection, held)
+        error: BaseException | None = None
+        if rest is not None:
+            try:
+                await self._push_planned(rest, global_steps)
+            except Exception as exc:  # noqa: BLE001 - named with the held-back targets below
+                error = exc
+        raise self._held_back_error(held, rest, error) from error
+
+    def _held_back_error(self, held: dict, rest: Any, error: BaseException | None) -> PushError:
+        """One PushError naming each target kept out of the re-push (and why), plus the re-push's own failure."""
+        lines = []
+        for target, rank in sorted(held.items(), key=lambda item: str(item[0])):
+            who = "a trainer rank" if rank is None else f"trainer rank {rank}"
+            outcome = self._outcomes.get(rank) if rank is not None else None
+            why = (
+                f"it did not answer within p2p_push_deadline_s={self.p2p_config.p2p_push_deadline_s:g} s and its "
+                "push may still be writing"
+                if outcome is not None and outcome.kind is Kind.LATE
+                else "an earlier push's write call to it is still blocked in the transport"
+            )
+            lines.append(
+                f"{target}: not re-pushed: a write to it is still in flight from {who} ({why}) and could land "
+                "over newer bytes; left paused until a later sync writes it"
+            )
+        unknown = set(held)
+        if error is not None:
+            pushed = set(rest.targets)
+            unknown |= (set(unknown_targets_of(error) or ()) & pushed) or pushed
+            lines.append(f"the re-push of the other targets failed: {describe(error)}")
+        return PushError("p2p re-push: " + "; ".join(lines), unknown_targets=unknown)
+
+    async def _push_planned(self, connection: Any, global_steps: int | None) -> dict:
+        """Every trainer rank exports and writes (a re-push's partial plan, or one the pause changed, is handed out
+        first); each reports its own outcome and metrics, combined here."""
         await self._ensure_plan(connection, in_pause=True)
         pushes = self.actor_wg.update_weights(global_steps=global_steps, mode=self.backend)
         stamps = [s.set_global_steps.remote(global_steps) for r in self.replicas for s in getattr(r, "servers", [])]
@@ -232,38 +289,68 @@ class P2PCheckpointEngineManager(CheckpointEngineManager):
         """Every trainer rank's push result, each waited for at most `p2p_push_deadline_s`; when ranks failed, died
         or were late, one PushError naming each of them and the targets it left unknown: those its error names,
         else (a rank that died, was late, or failed before it knew) every target of its assignment, or of the push
-        where the calls are not one per rank. A re-push within this sync plans around the ranks that failed."""
+        where the calls are not one per rank. Each rank's outcome is classified for the re-push
+        (`outcomes.classify`: an aborted export group leaves every target of each of its ranks unknown); the
+        targets a write call may still land in are noted busy."""
         calls = list(pushes or [])
-        per_rank = len(calls) == len(self._assigned)  # one call per rank, in worker-group order
-        needed = None
-        if connection.partial and per_rank and self._sources is not None:  # not waited for: ranks planned around
-            needed = [i for i, s in enumerate(self._sources) if s.rank not in self._failed_ranks]
+        sources = self._sources or []
+        per_rank = len(calls) == len(self._assigned) == len(sources)  # one call per rank, in worker-group order
+        needed, skip = None, frozenset()
+        if connection.partial and per_rank:  # not waited for: ranks planned around, and their export peers
+            skip = not_waited_for(sources, self._outcomes)
+            needed = [i for i, s in enumerate(sources) if s.rank not in skip]
         outcomes = await wait_each(calls, self.p2p_config.p2p_push_deadline_s, needed=needed)
         failed = [(i, o) for i, o in enumerate(outcomes) if isinstance(o, BaseException)]
-        if not connection.partial:
-            self._failed_ranks = set()
-        if per_rank and self._sources is not None and len(self._sources) == len(calls):
-            idle = [(i, o) for i, o in failed if self._sources[i].rank in self._failed_ranks and not self._assigned[i]]
-            for i, error in idle:  # a re-push planned around it: it had nothing to write
-                logger.warning("p2p: trainer rank %d (excluded, idle in this re-push) failed: %s", i, first_line(error))
-            failed = [f for f in failed if f not in idle]
-            self._failed_ranks |= {self._sources[i].rank for i, _ in failed}
-        if not failed:
-            return outcomes
         unknown: set | None = set()
         lines = []
         for i, error in failed:
-            named = unknown_targets_of(error)
-            if named is None and per_rank:
-                named = frozenset(self._assigned[i])
+            if not per_rank:
+                named = unknown_targets_of(error)
+                for target in in_flight_targets_of(error):
+                    self._busy.setdefault(target, None)
+            elif connection.partial and not self._assigned[i] and (sources[i].rank in skip | self._outcomes.keys()):
+                # a re-push planned around it: it had nothing to write
+                logger.warning("p2p: trainer rank %d (excluded, idle in this re-push) failed: %s", i, first_line(error))
+                continue
+            else:
+                named = self._note(classify(sources[i].rank, error, self._assigned[i])).unknown
             who = f"trainer rank {i}" if per_rank else "the trainer"
             left = ", ".join(str(t) for t in sorted(named, key=str)) if named is not None else "all (not known)"
-            lines.append(f"{who}: {type(error).__name__}: {first_line(error)} (targets left unknown: {left})")
+            lines.append(f"{who}: {describe(error)} (targets left unknown: {left})")
             unknown = None if named is None or unknown is None else unknown | set(named)
+        if not lines:
+            return outcomes
         if unknown is None:  # said explicitly: the chain below may name fewer targets than were left unknown
             unknown = set(connection.targets)
         raise PushError("p2p push failed on " + "; ".join(lines), unknown_targets=unknown) from failed[0][1]
 
+    def _planned_around(self, rank: int) -> bool:
+        outcome = self._outcomes.get(rank)
+        return outcome is not None and outcome.planned_around
+
+    def _note(self, outcome: RankOutcome) -> RankOutcome:
+        """Keep a rank's outcome for this sync's re-pushes (one planned around stays so) and its busy targets."""
+        if not self._planned_around(outcome.rank):
+            self._outcomes[outcome.rank] = outcome
+        for target in outcome.busy:
+            self._busy.setdefault(target, outcome.rank)
+        return outcome
+
     def close(self) -> None:
         if self._lifecycle is not None:
             self._lifecycle.close()
+
+
+def _without(connection: Any, targets: Any) -> Any:
+    """`connection` (a re-push's partial one) less `targets`; None when nothing is left."""
+    keep = [t for t in connection.targets if t not in targets]
+    if not keep:
+        return None
+    engines = {t.engine for t in keep}
+    return dataclasses.replace(
+        connection,
+        server_infos={e: info for e, info in connection.server_infos.items() if e in engines},
+        rank_infos={t: connection.rank_infos[t] for t in keep},
+        layouts={t: connection.layouts[t] for t in keep},
+        changed_engines=frozenset(connection.changed_engines) & engines,
+    )

@@ -55,7 +55,19 @@ async def wait_each(
 
 def failed_ranks_text(failed: Sequence[tuple[int, BaseException]], who: Callable[[int], str] = trainer_rank) -> str:
     """`who: Type: first line` for each failed call, joined: one message naming every failure once."""
-    return "; ".join(f"{who(i)}: {type(e).__name__}: {first_line(e)}" for i, e in failed)
+    return "; ".join(f"{who(i)}: {describe(e)}" for i, e in failed)
+
+
+def describe(error: BaseException) -> str:
+    """`Type: first line` of what a call raised: out of Ray's RayTaskError (whose own first line names only the
+    worker process), the exception the rank itself raised."""
+    try:
+        from ray.exceptions import RayTaskError
+    except ImportError:  # pragma: no cover - the driver runs under Ray
+        RayTaskError = ()  # noqa: N806
+    while isinstance(error, RayTaskError) and isinstance(getattr(error, "cause", None), BaseException):
+        error = error.cause
+    return f"{type(error).__name__}: {first_line(error)}"
 
 
 def _wait_refs(refs: list[Any], deadline_s: float, wanted: list[int], who: Callable[[int], str]) -> list[Any]:

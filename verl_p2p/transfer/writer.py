@@ -25,7 +25,7 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from verl_p2p.errors import RemoteMismatchError, TransferError
+from verl_p2p.errors import RemoteMismatchError, TransferError, WriteInFlightError
 from verl_p2p.planning.targets import RemoteParam, RemoteRankInfo, TargetRank, overlapping
 from verl_p2p.transfer.base import Transport
 
@@ -415,9 +415,14 @@ def push_error(failures: Iterable[TargetFailure]) -> TransferError:
     """One TransferError naming every failed target (engine, rank, session) and what to do."""
     failures = list(failures)
     lines = "\n  ".join(f.describe() for f in failures)
-    return TransferError(
+    text = (
         f"weight push failed for {len(failures)} target(s); their weights are now unknown:\n  {lines}\n"
         "Check those rollout servers are alive and reachable from this trainer rank (network, RDMA device, "
-        "firewall), or raise p2p_transfer_timeout if they are only slow; the next sync must rewrite them.",
-        unknown_targets=[f.target for f in failures],
+        "firewall), or raise p2p_transfer_timeout if they are only slow; the next sync must rewrite them."
     )
+    unknown = [f.target for f in failures]
+    # refused for a call of this rank still in flight: the driver keeps them from every other rank until it returned
+    in_flight = [f.target for f in failures if f.reason == _STILL_IN_FLIGHT]
+    if in_flight:
+        return WriteInFlightError(text, unknown_targets=unknown, in_flight_targets=in_flight)
+    return TransferError(text, unknown_targets=unknown)

@@ -39,7 +39,7 @@ def test_a_layout_that_does_not_fit_is_refused_with_the_nearest_that_do(wide_voc
     # that suggestion fits when planned
     assert cli_main([*common, "--rollout", "tp=4,ep=4", "--gpu-mem", f"{gpu_gb:.6f}"]) == 0
     text = capsys.readouterr().out
-    assert "memory: a rollout rank holds" in text and "fits a" in text
+    assert "memory: a rollout rank holds" in text and "fits one" in text
 
 
 def test_staging_larger_than_the_card_is_refused(wide_vocab, tmp_path, capsys):

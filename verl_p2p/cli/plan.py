@@ -602,7 +602,7 @@ def _run(args: argparse.Namespace, request: PlanRequest) -> int:
             print(f"  {row['system']} {row['published']}: {row['setting']}; assumed: {row['assumed']}")
             if not row["memory"]["fits"]:
                 print(
-                    f"    does not fit a {gpu} GPU: a rollout rank holds "
+                    f"    does not fit one {gpu} GPU: a rollout rank holds "
                     f"{gb_text(row['memory']['rollout_rank_bytes'])} (--gpu-mem)"
                 )
     else:
@@ -610,7 +610,7 @@ def _run(args: argparse.Namespace, request: PlanRequest) -> int:
         tight = " (tight: little room for the KV cache)" if fit.tight else ""
         print(
             f"memory: a rollout rank holds {gb_text(fit.rollout_rank_bytes)} of weights, a trainer source stages "
-            f"{gb_text(fit.staging_bytes)}; fits a {gpu} GPU{tight}"
+            f"{gb_text(fit.staging_bytes)}; fits one {gpu} GPU{tight}"
         )
         for p in published:
             print(f"published for this model: {published_line(p)}")

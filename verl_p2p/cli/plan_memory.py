@@ -72,7 +72,7 @@ def refusal(
     gb: Callable[[int], str],
 ) -> str:
     """The lines that refuse a layout that does not fit, with the nearest that do."""
-    lines = [f"--rollout {rollout.describe()} does not fit a {gpu} GPU ({gb(fit.gpu_bytes)}, --gpu-mem):"]
+    lines = [f"--rollout {rollout.describe()} does not fit one {gpu} GPU ({gb(fit.gpu_bytes)}, --gpu-mem):"]
     if fit.rollout_rank_bytes > fit.gpu_bytes:
         lines.append(f"  a rollout rank holds {gb(fit.rollout_rank_bytes)} of weights (from its write plan)")
     if fit.staging_bytes > fit.gpu_bytes:

@@ -44,15 +44,15 @@ class Rollout:
     """Receivers for TARGETS, and what SGLang's own ranks hold after loading the checkpoint (witness processes:
     real gloo worlds of 2 and 1 building SGLang's model classes with SGLang's loader), started at once."""
 
-    def __init__(self, model_dir, root) -> None:
+    def __init__(self, model_dir, root, server_args: dict = SERVER_ARGS) -> None:
         from verl_p2p.planning.layout import layout_from_server_args
         from verl_p2p.replica.stream import RankReplica
         from verl_p2p.sandbox.cpu_stubs import install_cpu_stubs
         from verl_p2p.trainer.hf_specs import hf_specs_from_checkpoint
 
         install_cpu_stubs()
-        self.root = root
-        jobs = {e: {"tag": f"e{e}", "model_path": str(model_dir), "server_args": sa} for e, sa in SERVER_ARGS.items()}
+        self.root, self.server_args = root, server_args
+        jobs = {e: {"tag": f"e{e}", "model_path": str(model_dir), "server_args": sa} for e, sa in server_args.items()}
         (root / "logs").mkdir()
         spec = harness.write_spec(root / "witness.json", [(2, [jobs[0]]), (1, [jobs[1]])], root / "witness")
         self.witnesses = harness.start_witnesses("0.5.12", spec, root / "logs")
@@ -60,7 +60,7 @@ class Rollout:
         specs = hf_specs_from_checkpoint(model_dir)
         self.replicas = {
             t: RankReplica.build(
-                cfg, SERVER_ARGS[t.engine], layout_from_server_args(SERVER_ARGS[t.engine], t.rank), specs
+                cfg, server_args[t.engine], layout_from_server_args(server_args[t.engine], t.rank), specs
             )
             for t in TARGETS
         }
@@ -79,17 +79,24 @@ class Rollout:
             self._expected = {}
             for t in TARGETS:
                 params = torch.load(self.root / "witness" / f"e{t.engine}" / f"rank{t.rank}.pt", weights_only=True)
-                self._expected[t] = {n: p.contiguous().view(-1).view(torch.uint8) for n, p in params.items()}
+                self._expected[t] = {n: (p.contiguous().view(-1).view(torch.uint8), p.dtype) for n, p in params.items()}
         return self._expected
 
     def assert_exact(self, tmp_path, tag: str) -> None:
+        self.assert_equal(self.dump(tmp_path, tag))
+
+    def dump(self, tmp_path, tag: str) -> dict:
+        """What every target's receiver holds now: {target: {name: uint8 tensor}}."""
+        return {t: self.receivers[t].dump(str(tmp_path / f"{tag}{t.engine}.{t.rank}.pt")) for t in TARGETS}
+
+    def assert_equal(self, dumps: dict) -> None:
         for t in TARGETS:
-            got = self.receivers[t].dump(str(tmp_path / f"{tag}{t.engine}.{t.rank}.pt"))
+            got = dumps[t]
             want = self.expected()[t]  # what SGLang's own rank holds after loading the checkpoint
             assert set(got) == set(want)
-            for name in want:
-                assert not bool(got[name].view(torch.float32).isnan().any()), f"{t} {name}: unwritten bytes"
-                assert torch.equal(got[name], want[name]), f"{t} {name}: bytes differ from SGLang's rank"
+            for name, (data, dtype) in want.items():
+                assert not bool(got[name].view(dtype).isnan().any()), f"{t} {name}: unwritten bytes"
+                assert torch.equal(got[name], data), f"{t} {name}: bytes differ from SGLang's rank"
 
     def close(self) -> None:
         stop_all(self.receivers.values())
@@ -107,7 +114,7 @@ def run_ranks(model_dir, rollout: Rollout, **job_args) -> dict[int, dict]:
     procs = []
     for rank in range(WORLD):
         fields = {k: (v(rank) if callable(v) else v) for k, v in job_args.items()}
-        job = RankJob(rank, WORLD, port, str(model_dir), SERVER_ARGS, infos, **fields)
+        job = RankJob(rank, WORLD, port, str(model_dir), rollout.server_args, infos, **fields)
         procs.append(ctx.Process(target=run_rank, args=(job, queue), daemon=True))
     for p in procs:
         p.start()
@@ -146,6 +153,21 @@ def test_fsdp2_stream_from_every_rank_is_bit_exact_in_tp2_ep2_and_tp1_engines(tm
         assert all(n > 0 for n in per_rank), f"{t}: a rank wrote nothing: {per_rank}"
         assert sum(per_rank) == rollout.replicas[t].plan.nbytes, f"{t}: {per_rank}: bytes missing or twice"
     rollout.assert_exact(tmp_path, "fsdp")
+
+
+def test_fsdp1_stream_from_every_rank_is_bit_exact_like_fsdp2(tmp_path, model):
+    """verl's `actor.strategy=fsdp`: torch's FullyShardedDataParallel as verl wraps it (tests/support/fsdp_ranks.py
+    `fsdp1_engine`), streamed by the same `get_per_tensor_param()` after verl's FSDP1 staging."""
+    model_dir, rollout = model
+    for h in rollout.receivers.values():
+        h.fill()
+    results = run_ranks(model_dir, rollout, strategy="fsdp")
+    for rank, r in results.items():
+        assert r["sync"]["stream_is_manifest"] is True, f"rank {rank}: the FSDP1 stream is not the predicted one"
+    for t in TARGETS:
+        per_rank = [results[r]["sync"]["bytes_per_target"][str(t)] for r in range(WORLD)]
+        assert sum(per_rank) == rollout.replicas[t].plan.nbytes and all(per_rank), f"{t}: {per_rank}"
+    rollout.assert_exact(tmp_path, "fsdp1")
 
 
 @pytest.mark.parametrize("model", ["qwen3_moe"], indirect=True)  # the drill once: the stream is the same code

@@ -50,7 +50,7 @@ class SourceSessionStandIn:
     def apply(self, assignment):
         self.applied.append(assignment)
 
-    def push(self):
+    def push(self, weights=None):
         if self.fail_with is not None:
             raise self.fail_with
         targets = self.applied[-1].targets

@@ -77,7 +77,7 @@ def make_session(model, monkeypatch, **options):
     engine = EngineStandIn(*model)
     monkeypatch.setattr(verl_engine, "find_megatron_engine", lambda owner: engine)
     monkeypatch.setattr(verl_engine, "engine_exporter", lambda eng, mode: SimpleNamespace(mode=mode))
-    monkeypatch.setattr(verl_engine, "export_engine_stage", lambda exporter, eng: eng.stream())
+    monkeypatch.setattr(verl_engine, "export_engine_stage", lambda exporter, eng, **_: eng.stream())
     config = P2PConfig(protocol="tcp", hostname="127.0.0.1", bucket_size_mb=1, release_buffers_on_save=False, **options)
     return SourceSession(config, owner=object(), hostname=config.hostname), engine
 

@@ -43,7 +43,7 @@ class ExportingSessionStandIn:
         if self.fault is not None and self.fault == ("plan", len(self.applied)):
             time.sleep(HANG_S)
 
-    def push(self) -> dict:
+    def push(self, weights: Any = None) -> dict:
         self.pushes += 1
         self._export()
         targets = self.applied[-1].targets

@@ -206,8 +206,9 @@ class P2PCheckpointEngine(CheckpointEngine):
     async def send_weights(self, weights: Generator | Any = None, global_steps: int | None = None) -> dict:
         """Export this rank's stage and write it to its targets; returns the sync's metrics on rank 0.
 
-        `weights` (verl's full-model export) is never iterated: it would broadcast every stage to every rank.
-        The stage is exported PP-locally from the worker's Megatron engine instead.
+        `weights` is verl's `get_per_tensor_param()` generator, made by its worker for this sync. FSDP: it is the
+        stream, consumed once (never a second export). Megatron: never iterated (a full export would broadcast
+        every stage to every rank); the stage is exported PP-locally from the worker's Megatron engine instead.
         """
         if self.side is not Side.TRAINER:
             raise P2PError("send_weights called on a p2p rollout engine: only trainer ranks send")
@@ -216,7 +217,7 @@ class P2PCheckpointEngine(CheckpointEngine):
         try:
             if self._session is None:
                 raise P2PError("p2p trainer rank has no plan: init_process_group was not called before send_weights")
-            mine = p2p_metrics.as_dict(self._session.push())
+            mine = p2p_metrics.as_dict(self._session.push(weights))
         except Exception as exc:  # every rank must reach the gather below, or the others wait forever
             error = exc
         rank = self.trainer.rank

@@ -3,8 +3,10 @@
 verl 0.9.1's `FSDPEngineWithLMHead.get_per_tensor_param()` yields every HF tensor of the model, whole, on every
 rank, in the same order (each DTensor's `full_tensor()` is an all-gather: every rank of the FSDP mesh must iterate
 it in step). So there is no stage to keep local: every rank holds the full model tensor by tensor, and writes
-only its byte-balanced part of every target (`planning.fsdp.build_full_stream_plan`). The stream is consumed one
-tensor at a time; offload stays as verl's generator handles it.
+only its byte-balanced part of every target (`planning.fsdp.build_full_stream_plan`). The stream is the generator
+verl's worker made for this sync and handed to `send_weights` (one stream per sync: a second call would stage the
+model twice), consumed one tensor at a time; offload stays as verl's generator handles it. FSDP1
+(`FullyShardedDataParallel`, `strategy=fsdp`) and FSDP2 (`fully_shard`, `strategy=fsdp2`) stream alike.
 
 What this export cannot serve is refused before anything is launched or written: an unmerged LoRA (the stream
 yields adapters, not weights), QAT (the stream yields packed quantized tensors), a stream whose names the rollout
@@ -94,10 +96,14 @@ class FullStreamExport:
         self.reason = reason
         self._manifest: tuple[StreamEntry, ...] | None = None
 
-    def export(self, *, cpu: bool = False) -> Iterator[HFTensor]:
+    def export(self, *, cpu: bool = False, weights: Iterable[HFTensor] | None = None) -> Iterator[HFTensor]:
         """verl's own stream, tensor by tensor (nothing collected); every rank must iterate it to the end.
+
+        `weights`: the `get_per_tensor_param()` generator verl's worker already made for this sync and handed to
+        `send_weights`; consumed as is, so the model is staged (FSDP1 / LoRA: loaded to the GPU and offloaded)
+        once per sync. Only a caller without verl's generator (a direct `SourceSession.push()`) makes one here.
         A tied LM head is dropped (`tied_duplicates`): verl gathers it, but it is the embedding."""
-        stream, _ = self.engine.get_per_tensor_param()
+        stream = weights if weights is not None else self.engine.get_per_tensor_param()[0]
         dropped = tied_duplicates(self.engine)
         for name, tensor in stream:
             if name in dropped:
@@ -124,8 +130,7 @@ def predict_stream(engine: Any) -> tuple[StreamEntry, ...]:
     from verl.utils.model import convert_weight_keys
     from verl.workers.engine.fsdp.utils import unfuse_moe_params
 
-    module = engine.module
-    params = module.state_dict()
+    params = _state_dict(engine)
     if has_lora(engine):  # merged LoRA (unmerged is refused): verl streams the base names
         from verl.utils.fsdp_utils import normalize_peft_param_name
 
@@ -137,6 +142,22 @@ def predict_stream(engine: Any) -> tuple[StreamEntry, ...]:
     return tuple(
         StreamEntry(n, tuple(t.shape), t.dtype) for n, t in unfuse_moe_params(meta, model_type) if n not in dropped
     )
+
+
+def _state_dict(engine: Any) -> dict[str, Any]:
+    """The module's state dict as verl takes it: FSDP2's only collects DTensor references; FSDP1's runs its unshard
+    machinery on flat params that must be on the device, so offloaded ones are loaded first and offloaded again
+    after (verl's own `get_per_tensor_param_shard` staging). Called once per export (the manifest is cached)."""
+    from verl.utils.fsdp_utils import fsdp_version, load_fsdp_model_to_gpu, offload_fsdp_model_to_cpu
+
+    staged = fsdp_version(engine.module) == 1 and getattr(engine, "_is_offload_param", False)
+    if staged:
+        load_fsdp_model_to_gpu(engine.module)
+    try:
+        return engine.module.state_dict()
+    finally:
+        if staged:
+            offload_fsdp_model_to_cpu(engine.module)
 
 
 def tied_duplicates(engine: Any) -> frozenset[str]:

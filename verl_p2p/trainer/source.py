@@ -286,13 +286,14 @@ class SourceSession:
 
     # ---- per sync ------------------------------------------------------------------------------------------
 
-    def stream(self) -> Iterable:
+    def stream(self, weights: Iterable | None = None) -> Iterable:
+        """This sync's export; `weights`: verl's generator handed to `send_weights` (FSDP consumes it, once)."""
         from verl_p2p.trainer.senders import drive_export
         from verl_p2p.trainer.verl_engine import export_engine_stage
 
-        return drive_export(self.stage, export_engine_stage(self.exporter, self.engine))
+        return drive_export(self.stage, export_engine_stage(self.exporter, self.engine, weights=weights))
 
-    def push(self) -> Any:
+    def push(self, weights: Iterable | None = None) -> Any:
         """Export this stage and write it (sender) or run the export's collectives only (idle); PushMetrics or None.
 
         Go/no-go first: this rank's plan problems and every check possible before a byte moves (published
@@ -323,7 +324,7 @@ class SourceSession:
         digest, error = stream_digest(self.exporter, error)  # FSDP: every rank must stream the same tensors
         deadline = self.config.p2p_push_deadline_s
         agree_to_export(self.assignment.rank, self.export_ranks(), error, digest, timeout_s=deadline, epoch=self.pushes)
-        stream = self.stream()
+        stream = self.stream(weights)
         try:
             if not self.targets:
                 for _ in stream:  # drive_export drains for non-senders: nothing comes out

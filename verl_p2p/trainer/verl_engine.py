@@ -17,7 +17,8 @@ Where the engine lives (verl 0.9.1, `verl/workers/engine_workers.py`):
 
 The worker never hands itself to the checkpoint engine: for backends other than `naive`/`delta_sharded`,
 `update_weights` calls `send_weights(per_tensor_param)` with a full-export generator, which the p2p engine
-must not iterate (it would broadcast the whole model to every stage). So, without patching verl, the p2p
+must not iterate for Megatron (it would broadcast the whole model to every stage); for FSDP it is the stream
+itself, consumed once (`export_engine_stage`). So, without patching verl, the p2p
 engine finds its worker as the object holding it in its `checkpoint_engine` attribute (`find_owning_worker`,
 a garbage-collector referrer lookup done once and cached by the caller), then the engine by the path above.
 """
@@ -27,7 +28,7 @@ from __future__ import annotations
 import functools
 import gc
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -172,10 +173,20 @@ def export_peers(engine: Any, *, mode: ExportMode = "auto") -> tuple[int, ...] |
 
 
 def export_engine_stage(
-    exporter: StageExporter | FullStreamExport, engine: Any, *, cpu: bool = False
+    exporter: StageExporter | FullStreamExport,
+    engine: Any,
+    *,
+    cpu: bool = False,
+    weights: Iterable[tuple[str, torch.Tensor]] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Run one sync's export; Megatron's offloaded parameters are loaded to the GPU first, as verl's export does
-    (FSDP's stream handles its own offload)."""
+    (FSDP's stream handles its own offload).
+
+    `weights`: the generator verl's worker handed to `send_weights` for this sync. FSDP's export consumes it (one
+    stream per sync); Megatron's never iterates it (a full export: every stage broadcast to every rank)."""
+    if isinstance(exporter, FullStreamExport):
+        yield from exporter.export(cpu=cpu, weights=weights)
+        return
     if exporter.mode == "pp_local" and getattr(engine, "is_param_offload_enabled", False):
         from verl.utils.megatron_utils import load_megatron_model_to_gpu
 

@@ -54,6 +54,20 @@ def test_trainer_modes_that_force_naive_are_refused_with_the_fix(mode):
     assert config_problems(cfg, entry_of(cfg, task(ONE_STEP_OFF))) == []
 
 
+@pytest.mark.parametrize("module", [MAIN, ONE_STEP_OFF])
+def test_the_overlay_separates_the_pools_and_a_colocated_rollout_is_refused_with_the_fix(module):
+    """verl's default colocates the rollout (hybrid_engine=true), which p2p never writes: the overlay turns it off,
+    and turning it back on is refused before launch (one_step_off asserts on it only after Ray started)."""
+    name = "ppo_megatron_trainer" if module == MAIN else "one_step_off_ppo_megatron_trainer"
+    extra = ["trainer.v1.trainer_mode=separate_async"] if module == MAIN else []
+    cfg = compose_config(module, [f"--config-name={name}", *OVERLAY, *extra])
+    assert cfg.actor_rollout_ref.hybrid_engine is False and config_problems(cfg, entry_of(cfg, task(module))) == []
+    cfg = compose_config(module, [f"--config-name={name}", *OVERLAY, *extra, "actor_rollout_ref.hybrid_engine=true"])
+    (problem,) = config_problems(cfg, entry_of(cfg, task(module)))
+    assert "separate trainer and rollout GPU pools" in problem
+    assert "Fix: actor_rollout_ref.hybrid_engine=false" in problem
+
+
 def test_legacy_trainer_is_refused():
     (problem,) = config_problems(main_ppo("trainer.use_v1=false"), MAIN_PPO)
     assert "legacy trainer" in problem and "trainer.use_v1=true" in problem

@@ -65,6 +65,22 @@ def trainer_mode_problems(config: Mapping[str, Any], entry: str) -> list[str]:
     return []
 
 
+def separate_pools_problem(config: Mapping[str, Any]) -> str | None:
+    """p2p writes into standalone rollout replicas on GPUs of their own. With `hybrid_engine=true` (verl's default)
+    the rollout shares the trainer's GPUs and verl syncs it through its own `naive` path: one_step_off and
+    fully_async assert against it only after Ray and the workers started, and v1 separate_async would add colocated
+    replicas that p2p never writes."""
+    if not config_field(config_field(config, "actor_rollout_ref") or {}, "hybrid_engine"):
+        return None
+    return (
+        "actor_rollout_ref.hybrid_engine=true colocates the rollout with the trainer (verl syncs colocated replicas "
+        "through its own naive path; one_step_off and fully_async stop on it after start-up). p2p needs separate "
+        "trainer and rollout GPU pools. Fix: actor_rollout_ref.hybrid_engine=false, with the rollout pool sized on "
+        "its own (one_step_off: rollout.nnodes / rollout.n_gpus_per_node; v1 separate_async: "
+        "actor_rollout_ref.rollout.nnodes / n_gpus_per_node)"
+    )
+
+
 LORA_FIX = (
     "Fix: train without LoRA here (merge the adapter into the base checkpoint and set "
     "actor_rollout_ref.model.lora_rank=0 and actor_rollout_ref.model.lora.rank=0), or sync this run with verl's own "
@@ -122,6 +138,9 @@ def config_problems(config: Mapping[str, Any], entry: str | None = None, guard: 
     if not uses_verl_p2p(backend):  # `p2p` is another package's backend, and nothing of verl_p2p's is in use
         return []
     problems = trainer_mode_problems(config, entry or entry_of(config))
+    pools = separate_pools_problem(config)
+    if pools is not None:
+        problems.append(pools)
     if config_field(rollout, "name") != "sglang":
         problems.append(
             f"actor_rollout_ref.rollout.name={config_field(rollout, 'name')!r}: p2p writes into SGLang's published "

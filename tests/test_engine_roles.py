@@ -394,6 +394,24 @@ def test_rollout_leader_runs_its_part_of_the_sync(server):
     assert server.lifecycle_calls() == sync + [c for c in sync if c != "push"]
 
 
+def test_rollout_leader_sends_the_api_key_its_rollout_config_names(monkeypatch):
+    """A server started with SGLang's api_key (verl's rollout.engine_kwargs.sglang.api_key) answers 401 without it:
+    the engine path's leader builds its adapter from verl's rollout config and sends the key on every call."""
+    with FakeSGLang(tp_size=2, server_args=GOOD_ARGS, api_key="s3cret") as fake:
+        monkeypatch.setattr(engine_module, "_server_url", lambda replica: fake.url)
+        fake.server_args[BOOTSTRAP_PORT] = int(fake.bootstrap_url.rsplit(":", 1)[1])
+        fake.paused = True
+        worker = leader()
+        worker.rollout_config = SimpleNamespace(name="sglang", engine_kwargs={"sglang": {"api_key": "s3cret"}})
+        engine = worker.checkpoint_engine
+        published = engine.prepare()["engine"]
+        engine.init_process_group(ack=published.digest)
+        fake.write()
+        list(engine.receive_weights(global_steps=3))
+        engine.finalize()
+        assert fake.weight_version == "3" and not fake.session_open
+
+
 def test_rollout_leader_closes_a_session_left_open_by_a_failed_sync(server, caplog):
     worker = leader()
     engine = worker.checkpoint_engine

@@ -344,7 +344,9 @@ class P2PCheckpointEngine(CheckpointEngine):
             from verl_p2p.rollout.checker import WeightUpdateChecker
 
             url = _server_url(self.rollout.replica_rank)
-            self._adapter = P2PReplicaAdapter(self.rollout.replica_rank, url, config=self.config)
+            # the server's API keys from verl's rollout config, as the server was started with them
+            rollout_config = getattr(self.owner, "rollout_config", None)
+            self._adapter = P2PReplicaAdapter.for_rollout(self.rollout.replica_rank, url, self.config, rollout_config)
             self._checker = WeightUpdateChecker(self.config)
         return self._adapter
 

@@ -315,11 +315,17 @@ def _local_spec(bridge_spec: Any) -> Any:
 
 
 def build_tiny_megatron(
-    hf_dir: str | Path, par: Parallel, *, device: str = "cpu", dtype: torch.dtype = torch.float32
+    hf_dir: str | Path,
+    par: Parallel,
+    *,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    timeout_s: float | None = None,
 ) -> tuple[list[torch.nn.Module], Any]:
     """(model chunks, AutoBridge) of the HF checkpoint at `hf_dir`, weights loaded by the bridge.
 
-    Initialises megatron's parallel_state on the already initialised default group (destroying a previous one).
+    Initialises megatron's parallel_state on the already initialised default group (destroying a previous one);
+    `timeout_s`: its groups' timeout, as a trainer sets `distributed_timeout_minutes` (default: megatron's).
     """
     install_te_stub()
     from megatron.bridge import AutoBridge
@@ -333,6 +339,7 @@ def build_tiny_megatron(
         virtual_pipeline_model_parallel_size=par.vpp,
         expert_model_parallel_size=par.ep,
         expert_tensor_parallel_size=par.etp,
+        **({} if timeout_s is None else {"distributed_timeout_minutes": timeout_s / 60}),
     )
     if device != "cpu":
         from megatron.core import tensor_parallel
@@ -451,7 +458,12 @@ class ShellModelConfig:
 
 
 def megatron_engine_shell(
-    hf_dir: str | Path, parallel: Parallel | None = None, *, device: str = "cpu", dtype: torch.dtype = torch.float32
+    hf_dir: str | Path,
+    parallel: Parallel | None = None,
+    *,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    timeout_s: float | None = None,
 ) -> Any:
     """verl's real MegatronEngine class holding a Megatron-Bridge model of `hf_dir`, this rank's part of the already
     initialised default process group.
@@ -462,7 +474,9 @@ def megatron_engine_shell(
     from transformers import AutoConfig
     from verl.workers.engine.megatron.transformer_impl import MegatronEngine
 
-    modules, bridge = build_tiny_megatron(hf_dir, parallel or Parallel(), device=device, dtype=dtype)
+    modules, bridge = build_tiny_megatron(
+        hf_dir, parallel or Parallel(), device=device, dtype=dtype, timeout_s=timeout_s
+    )
     engine = object.__new__(MegatronEngine)
     engine.module, engine.bridge = modules, bridge
     engine.model_config = ShellModelConfig(AutoConfig.from_pretrained(hf_dir), str(hf_dir))

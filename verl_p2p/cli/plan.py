@@ -384,6 +384,20 @@ def build_parser() -> argparse.ArgumentParser:
         "kind; the same figures (the check of the shortcut)",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="show third-party output instead of logging it")
+    parser.add_argument(
+        "--link",
+        default=None,
+        help="how bytes travel for the whole-sync prediction: tcp-one-host (Mooncake tcp through one host) or "
+        "rdma:N (N Gb/s per GPU; default rdma at --nic-gbps)",
+    )
+    parser.add_argument(
+        "--check-measured",
+        action="store_true",
+        help="re-predict every committed GPU run (docs/measurements/measured_runs.json), print predicted vs "
+        "measured, status 1 when a held-out run is outside +-25%%",
+    )
+    parser.add_argument("--measured-runs", default=None, help="(--check-measured) another runs file")
+    parser.add_argument("--table", default=None, help="(--check-measured) also write the table to this file")
     parser.add_argument("--sources-per-stage", type=int, default=None, help="(--model toy) sources per stage (2)")
     parser.add_argument("--pp", type=int, default=None, help="(--model toy) pipeline stages (1)")
     parser.add_argument("--engines", default=None, help="(--model toy) ranks per rollout engine (2,2)")
@@ -414,7 +428,21 @@ def run(argv: list[str]) -> int:
         parser.print_help(sys.stderr)
         return USAGE_ERROR
     args = parser.parse_args(argv)
+    if args.check_measured:
+        from verl_p2p.cli.plan_check import run_check
+
+        try:
+            return run_check(args.measured_runs, args.table)
+        except (OSError, ValueError, KeyError) as exc:
+            print(f"verl-p2p plan --check-measured: {exc}", file=sys.stderr)
+            return USAGE_ERROR
     try:
+        if args.link is not None:
+            from verl_p2p.planning.whole_sync import parse_link
+
+            link = parse_link(args.link)
+            if link.kind == "rdma":
+                args.nic_gbps = link.gbits
         check_model_option(args)
         if args.model == TOY:
             return _toy(args)
@@ -572,6 +600,8 @@ def _run(args: argparse.Namespace, request: PlanRequest) -> int:
             return USAGE_ERROR
         out["memory"] = fit.json()
         out.update(estimate_json(est, trainer, rollout))
+        whole = _whole_sync(args, est, trainer, rollout, len(hf_specs), fp8)
+        out["whole_sync"] = {"link": whole[0], **whole[1].json()}
         out.update(without_split_json(unsplit))
         out["published"] = [{"system": p.system, "published": p.figure(), "setting": p.setting} for p in published]
     out["plans"] = planner.captures
@@ -607,6 +637,7 @@ def _run(args: argparse.Namespace, request: PlanRequest) -> int:
                 )
     else:
         print_estimate(est, trainer, rollout, unsplit)
+        print(f"{whole[1].text()} [link {whole[0]}]")
         tight = " (tight: little room for the KV cache)" if fit.tight else ""
         print(
             f"memory: a rollout rank holds {gb_text(fit.rollout_rank_bytes)} of weights, a trainer source stages "
@@ -618,6 +649,23 @@ def _run(args: argparse.Namespace, request: PlanRequest) -> int:
     for reason in out["refused"]:
         print(f"WARNING: p2p refuses this model: {reason}")
     return 0
+
+
+def _whole_sync(
+    args: argparse.Namespace, est: SyncEstimate, trainer: Parallelism, rollout: Parallelism, hf_tensors: int, fp8: bool
+) -> tuple[str, Any]:
+    """The whole sync of the slowest source (export, conversion, staging, wire, control plane, pause)."""
+    from verl_p2p.planning.plan_rates import Rates
+    from verl_p2p.planning.whole_sync import Link, parse_link, predict_whole
+
+    link = parse_link(args.link) if args.link else Link("rdma", args.nic_gbps)
+    slow = est.slowest
+    per_source = -(-hf_tensors // (trainer.pp * (1 if trainer.fsdp is not None else trainer.tp)))
+    whole = predict_whole(
+        Rates.load(), slow.wire_bytes, per_source, link, "fsdp" if trainer.fsdp is not None else "megatron", fp8,
+        rollout.engines, layout_wire_s=est.predicted_s if link.kind == "rdma" else None,
+    )  # fmt: skip
+    return link.describe(), whole
 
 
 def _numel(shape) -> int:

@@ -98,8 +98,8 @@ def push_with_a_failing_peer(
     if rank == bad_rank:
         original = session.stream
 
-        def one_bad_tensor():
-            for i, (name, tensor) in enumerate(original()):
+        def one_bad_tensor(*args, **kwargs):  # push hands `stream` verl's generator (FSDP's stream)
+            for i, (name, tensor) in enumerate(original(*args, **kwargs)):
                 yield name, (tensor.to(torch.int32) if i == 4 else tensor)
 
         session.stream = one_bad_tensor

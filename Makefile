@@ -10,7 +10,7 @@ demo: setup
 test: setup
 	.venv/bin/python -m ruff check .
 	.venv/bin/python -m ruff format --check .
-	.venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=25
+	.venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder --durations=25
 
 bench: setup
 	.venv/bin/verl-p2p bench

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from support import replica_matrix
 from support.fake_sglang import FakeSGLang
 
 # Every local Ray cluster of the suite starts with token authentication off, in every test process. Ray 2.60 turns
@@ -12,6 +13,40 @@ from support.fake_sglang import FakeSGLang
 # then set "disabled" for its own cluster started a GCS without tokens under a driver that demanded them, and verl's
 # actors were cancelled before they ran (test_push_deadline then test_verl_e2e in one xdist worker).
 os.environ["RAY_AUTH_MODE"] = "disabled"
+
+# Modules in the order `make test` hands them to its two pytest-xdist workers (`--dist loadfile
+# --no-loadscope-reorder`: whole modules, in collection order): the longest first, so neither worker is left with
+# a long module at the end while the other idles; every module not named here follows in its own order. The
+# replica-exact module building the shared SGLang witnesses (support/replica_matrix.py) leads; the other modules
+# reading them come after a few long ones, when the builds are done or one release is still free to build.
+LONGEST_FIRST = (
+    "test_replica_exact.py",
+    "test_sync_failures.py",
+    "test_router_bias_sync.py",
+    "test_verl_e2e.py",
+    "test_loopback.py",
+    "test_push_bench.py",
+    "test_real_sizes.py",
+    "test_replica_exact_models.py",
+    "test_ray_env_protocol.py",
+    "test_cli.py",
+    "test_e2e_loopback.py",
+    "test_soak.py",
+    "test_stalled_rank_go_no_go.py",
+    "test_fsdp_bf16_rollout.py",
+    "test_replica_exact_casts.py",
+    "test_replica_fp8.py",
+    "test_replica_fp8_mla.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Modules named in LONGEST_FIRST first, in that order; each module's tests kept together and in order."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    first_seen: dict[str, int] = {}
+    for index, item in enumerate(items):
+        first_seen.setdefault(item.path.name, index)
+    items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), first_seen[item.path.name]))
 
 
 @pytest.fixture
@@ -27,3 +62,20 @@ def fakes():
     yield make
     for server in servers:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def replica_witnesses(tmp_path_factory):
+    """`replica_witnesses(request, matrix)`: the module's declared witness jobs (support/replica_matrix.py) built
+    for the releases its selected tests take, once per release for the whole session and both xdist workers."""
+    root = replica_matrix.session_dir(tmp_path_factory)
+
+    def prepare(request, matrix: replica_matrix.Matrix) -> replica_matrix.Matrix:
+        return matrix.prepare(root, replica_matrix.needed_versions(request))
+
+    return prepare
+
+
+def pytest_collection_finish(session):
+    """The shared witness builds cover only the modules with selected tests."""
+    replica_matrix.ACTIVE = {item.module.__name__ for item in session.items if hasattr(item, "module")}

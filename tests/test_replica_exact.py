@@ -12,10 +12,8 @@ in its own processes.
 from __future__ import annotations
 
 import pytest
-import torch
 from support import replica_harness as harness
-
-from verl_p2p.sandbox.tiny import write_tiny_checkpoint
+from support import replica_matrix
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
@@ -30,7 +28,7 @@ MODELS = {
     "moe": dict(arch="qwen3_moe", vocab_size=250),
 }
 # checkpoint variants: (checkpoint dtype = rollout dtype, id-encoded values)
-VARIANTS = {"f32ids": (torch.float32, True), "bf16rand": (torch.bfloat16, False)}
+VARIANTS = {"f32ids": ("float32", True), "bf16rand": ("bfloat16", False)}
 LAYOUTS = [
     ("qwen2-tp1", "qwen2", dict(tp_size=1)),
     ("qwen3-tp1", "qwen3", dict(tp_size=1)),
@@ -53,31 +51,29 @@ LAYOUTS = [
 ]
 
 
+MATRIX = replica_matrix.declare(
+    __name__,
+    VERSIONS,
+    [
+        replica_matrix.Job(
+            f"{tag}-{variant}",
+            replica_matrix.Checkpoint.of(dtype=dtype, id_encoded=ids, **MODELS[model]),
+            {"dtype": dtype, **args},
+        )
+        for tag, model, args in LAYOUTS
+        for variant, (dtype, ids) in VARIANTS.items()
+    ],
+)
+
+
 @pytest.fixture(scope="module")
-def exact_results(tmp_path_factory):
+def exact_results(request, replica_witnesses):
     """Witness dumps for every layout under every SGLang release of the matrix, then the replica comparisons.
 
-    One group of four witness processes per release (worlds of 4, then 2, then 1, torn down in between),
-    so at most four processes run at a time. 0.5.12 (installed here) is compared in this process while the
-    other releases are compared in subprocesses.
+    Built once per release for the session (tests/support/replica_matrix.py: with the other replica modules' jobs,
+    one group of four witness processes per release, worlds of 4, then 2, then 1, torn down in between).
     """
-    root = tmp_path_factory.mktemp("replica_exact")
-    paths = {}
-    for name, model in MODELS.items():
-        for variant, (dtype, ids) in VARIANTS.items():
-            m = dict(model)
-            arch = m.pop("arch")
-            paths[name, variant] = str(
-                write_tiny_checkpoint(root / f"{name}-{variant}", arch, id_encoded=ids, dtype=dtype, **m)
-            )
-    by_world: dict[int, list[dict]] = {}
-    for tag, model, args in LAYOUTS:
-        for variant, (dtype, _) in VARIANTS.items():
-            dt = str(dtype).removeprefix("torch.")
-            job = {"tag": f"{tag}-{variant}", "model_path": paths[model, variant], "server_args": {"dtype": dt, **args}}
-            by_world.setdefault(args["tp_size"], []).append(job)
-    results = harness.run_matrix(root, by_world, VERSIONS)
-    return {(r["version"].split("+")[0], r["tag"]): r for r in results}
+    return replica_witnesses(request, MATRIX)
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -85,7 +81,7 @@ def exact_results(tmp_path_factory):
 @pytest.mark.parametrize("tag", [t for t, _, _ in LAYOUTS])
 def test_replica_bytes_equal_sglang_ranks(exact_results, version, tag, variant):
     """Reference executor bytes == compiled executor bytes == SGLang's own rank, whole and chunked."""
-    r = exact_results[(version, f"{tag}-{variant}")]
+    r = exact_results.result(version, f"{tag}-{variant}")
     assert r["version"].startswith(version)
     assert not r["problems"], r["problems"]
     assert r["checked"] > 0 and r["chunked"] > 0

@@ -12,11 +12,8 @@ float32 rollout makes every misplaced element visible under non-contiguous feeds
 from __future__ import annotations
 
 import pytest
-import torch
 from support import replica_harness as harness
-from support.replica_compare import compare_jobs
-
-from verl_p2p.sandbox.tiny import write_tiny_checkpoint
+from support import replica_matrix
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -28,46 +25,40 @@ LAYOUTS = [
     ("moe-tp2-ep2", "qwen3_moe", dict(vocab_size=250), dict(tp_size=2, ep_size=2)),
 ]
 # variant: (checkpoint dtype, id-encoded, rollout dtype)
-VARIANTS = {"f32rand-to-bf16": (torch.float32, False, "bfloat16"), "f32ids-to-f32": (torch.float32, True, "float32")}
+VARIANTS = {"f32rand-to-bf16": ("float32", False, "bfloat16"), "f32ids-to-f32": ("float32", True, "float32")}
 
 
-@pytest.fixture(scope="module", params=VERSIONS)
-def cast_results(request, tmp_path_factory):
-    version = request.param
-    root = tmp_path_factory.mktemp(f"casts-{version}")
-    by_world: dict[int, list[dict]] = {}
-    for tag, arch, overrides, args in LAYOUTS:
-        for variant, (dtype, ids, rollout_dtype) in VARIANTS.items():
-            path = write_tiny_checkpoint(root / f"{tag}-{variant}", arch, id_encoded=ids, dtype=dtype, **overrides)
-            job = {
-                "tag": f"{tag}-{variant}",
-                "model_path": str(path),
-                "server_args": {"dtype": rollout_dtype, **args},
-                "strided_feeds": True,
-            }
-            by_world.setdefault(args["tp_size"], []).append(job)
-    logs = root / "logs"
-    logs.mkdir()
-    phases = [(w, by_world[w]) for w in sorted(by_world, reverse=True)]
-    spec = harness.write_spec(root / "spec.json", phases, root / "out")
-    harness.wait_all(harness.start_witnesses(version, spec, logs), 900, f"SGLang {version} witnesses")
-    if harness.SGLANG_DIRS[version] is None:  # the release installed in this process
-        results = compare_jobs([spec])
-    else:
-        proc, log = harness.start_compare(version, [spec], logs)
-        harness.wait_all([proc], 900, "replica comparison")
-        results = harness.read_results(log)
-    return version, {r["tag"]: r for r in results}
+MATRIX = replica_matrix.declare(
+    __name__,
+    VERSIONS,
+    [
+        replica_matrix.Job(
+            f"{tag}-{variant}",
+            replica_matrix.Checkpoint.of(arch, dtype, ids, **overrides),
+            {"dtype": rollout_dtype, **args},
+            options={"strided_feeds": True},
+        )
+        for tag, arch, overrides, args in LAYOUTS
+        for variant, (dtype, ids, rollout_dtype) in VARIANTS.items()
+    ],
+)
+
+
+@pytest.fixture(scope="module")
+def cast_results(request, replica_witnesses):
+    """Built once per release for the session with the other replica modules' jobs (the id-encoded float32
+    witnesses are test_replica_exact.py's): tests/support/replica_matrix.py."""
+    return replica_witnesses(request, MATRIX)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("tag", [t for t, _, _, _ in LAYOUTS])
-def test_casts_and_non_contiguous_feeds_equal_sglang_ranks(cast_results, tag, variant):
-    version, results = cast_results
-    r = results[f"{tag}-{variant}"]
+@pytest.mark.parametrize("version", VERSIONS)
+def test_casts_and_non_contiguous_feeds_equal_sglang_ranks(cast_results, version, tag, variant):
+    r = cast_results.result(version, f"{tag}-{variant}")
     checkpoint_dtype, _, rollout_dtype = VARIANTS[variant]
     assert r["version"].startswith(version)
-    assert r["checkpoint_dtypes"] == [str(checkpoint_dtype)]
+    assert r["checkpoint_dtypes"] == [f"torch.{checkpoint_dtype}"]
     assert f"torch.{rollout_dtype}" in r["rollout_dtypes"]
     assert not r["problems"], r["problems"]
     assert r["checked"] > 0 and r["compiled"] == r["checked"] and r["strided"] > 0

@@ -13,13 +13,10 @@ rank's published parameters.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from support import replica_harness as harness
-
-from verl_p2p.sandbox.tiny import write_tiny_checkpoint
+from support import replica_matrix
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
@@ -33,7 +30,7 @@ MODELS = {
     "llama": dict(arch="llama", vocab_size=250),  # LlamaForCausalLM, padded vocab rows
 }
 MLA = ("dsv3", "dsv2", "glm47")  # post_load_weights derives w_kc / w_vc
-VARIANTS = {"f32ids": (torch.float32, True), "bf16rand": (torch.bfloat16, False)}
+VARIANTS = {"f32ids": ("float32", True), "bf16rand": ("bfloat16", False)}
 LAYOUTS = [
     ("dsv3-tp1", "dsv3", dict(tp_size=1)),
     ("dsv3-tp2", "dsv3", dict(tp_size=2)),
@@ -64,31 +61,28 @@ FUSED = {t for t, _, a in LAYOUTS if a.get("enforce_shared_experts_fusion")}
 SHARED_TP1 = {"dsv3-tp4-ep4-sharedtp1"}  # witnesses started with SGLANG_SHARED_EXPERT_TP1=1
 
 
+MATRIX = replica_matrix.declare(
+    __name__,
+    VERSIONS,
+    [
+        replica_matrix.Job(
+            f"{tag}-{variant}",
+            replica_matrix.Checkpoint.of(dtype=dtype, id_encoded=ids, **MODELS[model]),
+            {"dtype": dtype, **args},
+            env={"SGLANG_SHARED_EXPERT_TP1": "1"} if tag in SHARED_TP1 else {},
+            options={"fusion_from_published": tag in FUSED, "shared_tp1_from_published": tag in SHARED_TP1},
+        )
+        for tag, model, args in LAYOUTS
+        for variant, (dtype, ids) in VARIANTS.items()
+    ],
+)
+
+
 @pytest.fixture(scope="module")
-def exact_results(tmp_path_factory):
-    """Witness dumps for every layout under every release with sessions, then the replica comparisons (each
-    release in its own subprocess, at most four witness processes at a time)."""
-    root = tmp_path_factory.mktemp("replica_exact_models")
-    paths = {}
-    for name, model in MODELS.items():
-        for variant, (dtype, ids) in VARIANTS.items():
-            m = dict(model)
-            arch = m.pop("arch")
-            paths[name, variant] = str(
-                write_tiny_checkpoint(root / f"{name}-{variant}", arch, id_encoded=ids, dtype=dtype, **m)
-            )
-    by_world: dict[int, list[dict]] = {}
-    for tag, model, args in LAYOUTS:
-        for variant, (dtype, _) in VARIANTS.items():
-            dt = str(dtype).removeprefix("torch.")
-            job = {"tag": f"{tag}-{variant}", "model_path": paths[model, variant], "server_args": {"dtype": dt, **args}}
-            if tag in FUSED:
-                job["fusion_from_published"] = True
-            if tag in SHARED_TP1:
-                job.update(env={"SGLANG_SHARED_EXPERT_TP1": "1"}, shared_tp1_from_published=True)
-            by_world.setdefault(args["tp_size"], []).append(job)
-    results = harness.run_matrix(root, by_world, VERSIONS, parallel=False)  # one release at a time: shared host
-    return {(r["version"].split("+")[0], r["tag"]): r for r in results}, root
+def exact_results(request, replica_witnesses):
+    """Witness dumps for every layout under every release with sessions, then the replica comparisons (built once
+    per release for the session with the other replica modules' jobs: tests/support/replica_matrix.py)."""
+    return replica_witnesses(request, MATRIX)
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -98,8 +92,7 @@ def test_replica_bytes_equal_sglang_ranks(exact_results, version, tag, variant):
     """Reference executor bytes == compiled executor bytes == SGLang's own rank, whole and chunked; the plan's
     derived tensors are the w_kc / w_vc SGLang's post_load_weights built on that rank (less those that alias a
     parameter)."""
-    results, root = exact_results
-    r = results[(version, f"{tag}-{variant}")]
+    r = exact_results.result(version, f"{tag}-{variant}")
     assert r["version"].startswith(version)
     assert not r["problems"], r["problems"]
     assert r["checked"] > 0 and r["chunked"] > 0
@@ -108,7 +101,7 @@ def test_replica_bytes_equal_sglang_ranks(exact_results, version, tag, variant):
     model, args = next((m, a) for t, m, a in LAYOUTS if t == tag)
     world = args["tp_size"]
     for rank in range(world):
-        witness = torch.load(os.path.join(root, version, f"{tag}-{variant}", f"derived{rank}.pt"))
+        witness = torch.load(exact_results.witness_dir(version, f"{tag}-{variant}") / f"derived{rank}.pt")
         built = {n for n in witness if n.endswith((".w_kc", ".w_vc"))}
         if model not in MLA:
             assert not built and not r["derived"][str(rank)], r["derived"]
@@ -124,15 +117,14 @@ def test_replica_bytes_equal_sglang_ranks(exact_results, version, tag, variant):
 def test_shared_expert_fusion_is_decided_as_the_rollout_decided(exact_results, version, tag):
     """The fused rollout's bytes are matched (above) by a replica that took the decision from the published
     parameters; the replica the trainer's device would build alone is refused, naming both layouts."""
-    results, root = exact_results
-    r = results[(version, f"{tag}-f32ids")]
+    r = exact_results.result(version, f"{tag}-f32ids")
     world = dict(next(a for t, _, a in LAYOUTS if t == tag))["tp_size"]
     assert len(r["fusion_refusals"]) == world, r["fusion_refusals"]
     text = r["fusion_refusals"][0]
     assert "the rollout holds the shared expert as fused into routed w13/w2" in text
     assert "replica of that rank builds it as a separate shared_experts module" in text
     assert "--disable-shared-experts-fusion" in text
-    witness = torch.load(os.path.join(root, version, f"{tag}-f32ids", "rank0.pt"))
+    witness = torch.load(exact_results.witness_dir(version, f"{tag}-f32ids") / "rank0.pt")
     assert not any(".shared_experts." in n for n in witness)  # the witness really fused
 
 
@@ -142,8 +134,7 @@ def test_shared_expert_held_whole_is_read_from_the_published_sizes(exact_results
     """A rollout started with SGLANG_SHARED_EXPERT_TP1=1 holds its shared expert whole on every rank (and, with
     --moe-dense-tp-size 1, its dense MLP): its server info does not say so, so the replica reads it from the
     published sizes and is built so (bytes equal above); from the server info alone it would hold 1/tp shards."""
-    results, root = exact_results
-    r = results[(version, f"{tag}-f32ids")]
+    r = exact_results.result(version, f"{tag}-f32ids")
     world = dict(next(a for t, _, a in LAYOUTS if t == tag))["tp_size"]
     whole = (2 * 32, 64)  # 2 x moe_intermediate_size x n_shared_experts rows, hidden_size columns
     layers = 2  # the MoE layers of the tiny config (the first is dense)
@@ -152,6 +143,6 @@ def test_shared_expert_held_whole_is_read_from_the_published_sizes(exact_results
     assert shapes["replica"] == [whole] * (world * layers)
     assert shapes["plain"] == [(whole[0] // world, whole[1])] * (world * layers)
     for rank in range(world):
-        witness = torch.load(os.path.join(root, version, f"{tag}-f32ids", f"rank{rank}.pt"))
+        witness = torch.load(exact_results.witness_dir(version, f"{tag}-f32ids") / f"rank{rank}.pt")
         assert tuple(witness["model.layers.1.mlp.shared_experts.gate_up_proj.weight"].shape) == whole
         assert tuple(witness["model.layers.0.mlp.gate_up_proj.weight"].shape) == (2 * 128, 64)  # dense, whole

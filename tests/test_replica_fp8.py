@@ -12,10 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support import replica_harness as harness
-
-from verl_p2p.sandbox.tiny import write_tiny_checkpoint
-from verl_p2p.trainer.fp8_checkpoint import quantize_checkpoint
+from support import replica_matrix
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -25,30 +22,30 @@ SHAPE = dict(hidden_size=256, head_dim=128, moe_intermediate_size=512, intermedi
 LAYOUTS = [("moe-fp8-tp2-ep2", dict(tp_size=2, ep_size=2)), ("moe-fp8-tp4", dict(tp_size=4))]
 
 
+MATRIX = replica_matrix.declare(
+    __name__,
+    VERSIONS,
+    [
+        replica_matrix.Job(
+            tag,
+            replica_matrix.Checkpoint.of("qwen3_moe", "bfloat16", id_encoded=False, fp8=True, **SHAPE),
+            {"dtype": "bfloat16", **args},
+        )
+        for tag, args in LAYOUTS
+    ],
+)
+
+
 @pytest.fixture(scope="module")
-def fp8_results(tmp_path_factory):
-    root = tmp_path_factory.mktemp("replica_fp8")
-    bf16 = write_tiny_checkpoint(root / "bf16", "qwen3_moe", id_encoded=False, dtype=torch.bfloat16, **SHAPE)
-    fp8 = quantize_checkpoint(bf16, root / "fp8")
-    by_world: dict[int, list[dict]] = {}
-    for tag, args in LAYOUTS:
-        job = {
-            "tag": tag,
-            "model_path": str(fp8),
-            "bf16_source": str(bf16),
-            "server_args": {"dtype": "bfloat16", **args},
-        }
-        by_world.setdefault(args["tp_size"], []).append(job)
-    results = harness.run_matrix(root, by_world, VERSIONS, "FP8")
-    witness = torch.load(root / "0.5.12" / "moe-fp8-tp2-ep2" / "rank1.pt")
-    return {(r["version"].split("+")[0], r["tag"]): r for r in results}, witness
+def fp8_results(request, replica_witnesses):
+    """Built once per release for the session with the other replica modules' jobs: tests/support/replica_matrix.py."""
+    return replica_witnesses(request, MATRIX)
 
 
 @pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("tag", [t for t, _ in LAYOUTS])
 def test_fp8_replica_bytes_equal_sglang_ranks(fp8_results, version, tag):
-    results, _ = fp8_results
-    r = results[(version, tag)]
+    r = fp8_results.result(version, tag)
     assert r["version"].startswith(version)
     assert not r["problems"], r["problems"]
     assert r["checked"] > 0 and r["chunked"] > 0
@@ -58,7 +55,7 @@ def test_fp8_replica_bytes_equal_sglang_ranks(fp8_results, version, tag):
 
 def test_the_witness_holds_fp8_weights_and_block_scales(fp8_results):
     """The comparison is about FP8 bytes: SGLang's rank really holds e4m3fn weights and fp32 block scales."""
-    _, witness = fp8_results
+    witness = torch.load(fp8_results.witness_dir("0.5.12", "moe-fp8-tp2-ep2") / "rank1.pt")
     assert witness["model.layers.0.self_attn.qkv_proj.weight"].dtype == torch.float8_e4m3fn
     assert witness["model.layers.0.self_attn.qkv_proj.weight_scale_inv"].dtype == torch.float32
     # TP2 rank 1: q 256 + k 128 + v 128 rows -> 4 row blocks; 256 columns -> 2

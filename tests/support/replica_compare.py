@@ -1,7 +1,8 @@
 """Compare the replica's bytes for every rank with the witness dumps.
 
 `compare_jobs(spec_paths)` runs under the SGLang installed in this process; run as
-`python tests/support/replica_compare.py SPEC.json...` it prints `RESULTS <json>`. For each job and rank:
+`python tests/support/replica_compare.py SPEC.json...` it prints `RESULTS <json>`. A job's witness dumps are in
+SPEC's out/WITNESS (its `witness` key, else its tag). For each job and rank:
 RankReplica.build from the witness's resolved server args, every parameter loaded into a NaN-prefilled
 buffer and compared bit for bit with the witness parameter, then produced again chunk by chunk
 (load_chunk) and compared; the compiled executor (`CompiledReplica`) does the same, whole and chunked;
@@ -81,7 +82,7 @@ def _compare_job(job: dict, world: int, out: str) -> dict:
     from verl_p2p.replica.compiled import CompiledReplica
     from verl_p2p.sandbox.tiny import hf_tensor_shapes
 
-    out = os.path.join(out, job["tag"])
+    out = os.path.join(out, job.get("witness", job["tag"]))  # a shared build names its witnesses by content
     info = json.load(open(os.path.join(out, "server_info.json")))
     cfg = json.load(open(os.path.join(job["model_path"], "config.json")))
     tensors = load_file(os.path.join(job["model_path"], "model.safetensors"))

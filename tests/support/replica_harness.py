@@ -2,7 +2,7 @@
 
 Each SGLang release runs in fresh processes: 0.5.12 is the venv's own; the others live in
 `.venv/sglang-<version>` (scripts/setup.sh installs them), put first on the path. At most four witness
-processes run at once (the machine is shared).
+processes run at once (the machine is shared). support/replica_matrix.py runs the replica-exact matrix with these.
 """
 
 from __future__ import annotations
@@ -94,40 +94,3 @@ def read_results(log_path: Path) -> list[dict]:
             return json.loads(line[len("RESULTS ") :])
     tail = "\n".join(log_path.read_text().splitlines()[-30:])
     raise RuntimeError(f"no results in {log_path}:\n{tail}")
-
-
-def run_matrix(
-    root: Path, by_world: dict[int, list[dict]], versions, what: str = "replica", parallel: bool = True
-) -> list[dict]:
-    """The whole witnessed matrix: for each release, its witness groups (largest worlds first), then the
-    replica's comparisons of every job, the installed release's in this process and the others' in subprocesses
-    (all at once, or one after another with `parallel=False` on a crowded machine). Returns every result."""
-    from support.replica_compare import compare_jobs
-
-    logs = root / "logs"
-    logs.mkdir(exist_ok=True)
-    specs = {}
-    for v in versions:
-        phases = [(w, by_world[w]) for w in sorted(by_world, reverse=True)]
-        specs[v] = write_spec(root / f"spec-{v}.json", phases, root / v)
-        wait_all(start_witnesses(v, specs[v], logs), 900, f"SGLang {v} {what} witnesses")
-    here = [v for v in versions if SGLANG_DIRS[v] is None]
-    others = [v for v in versions if SGLANG_DIRS[v] is not None]
-    results: list[dict] = []
-    if parallel:
-        compares = [start_compare(v, [specs[v]], logs) for v in others]
-        try:
-            for v in here:
-                results += compare_jobs([specs[v]])
-        finally:
-            wait_all([proc for proc, _ in compares], 900, f"{what} comparisons")
-        for _, log in compares:
-            results += read_results(log)
-        return results
-    for v in here:
-        results += compare_jobs([specs[v]])
-    for v in others:
-        proc, log = start_compare(v, [specs[v]], logs)
-        wait_all([proc], 900, f"{what} comparisons under SGLang {v}")
-        results += read_results(log)
-    return results

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from verl_p2p.cli.plan import main
-from verl_p2p.planning.plan_rates import MEASUREMENTS, RATES_FILE, derive_rates
+from verl_p2p.cli.plan_rates_file import MEASUREMENTS, RATES_FILE, derive_rates
 from verl_p2p.planning.whole_sync import parse_link
 
 RUNS = json.loads((MEASUREMENTS / "measured_runs.json").read_text())
@@ -56,7 +56,7 @@ def test_a_planted_run_outside_the_band_exits_1_naming_it(tmp_path, capsys):
     assert main(["--check-measured", "--measured-runs", str(runs)]) == 0
     capsys.readouterr()
     runs, planted = _one_run(tmp_path, 2.0)
-    table = tmp_path / "t.md"
+    table = tmp_path / "check_table"
     assert main(["--check-measured", "--measured-runs", str(runs), "--table", str(table)]) == 1
     out = capsys.readouterr().out
     assert f"outside ±25%: {planted}" in out

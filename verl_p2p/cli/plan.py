@@ -655,14 +655,14 @@ def _whole_sync(
     args: argparse.Namespace, est: SyncEstimate, trainer: Parallelism, rollout: Parallelism, hf_tensors: int, fp8: bool
 ) -> tuple[str, Any]:
     """The whole sync of the slowest source (export, conversion, staging, wire, control plane, pause)."""
-    from verl_p2p.planning.plan_rates import Rates
+    from verl_p2p.cli.plan_rates_file import load_rates
     from verl_p2p.planning.whole_sync import Link, parse_link, predict_whole
 
     link = parse_link(args.link) if args.link else Link("rdma", args.nic_gbps)
     slow = est.slowest
     per_source = -(-hf_tensors // (trainer.pp * (1 if trainer.fsdp is not None else trainer.tp)))
     whole = predict_whole(
-        Rates.load(), slow.wire_bytes, per_source, link, "fsdp" if trainer.fsdp is not None else "megatron", fp8,
+        load_rates(), slow.wire_bytes, per_source, link, "fsdp" if trainer.fsdp is not None else "megatron", fp8,
         rollout.engines, layout_wire_s=est.predicted_s if link.kind == "rdma" else None,
     )  # fmt: skip
     return link.describe(), whole

@@ -11,8 +11,9 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from verl_p2p.cli.plan_rates_file import MEASUREMENTS, load_rates
 from verl_p2p.planning.hf_names import hf_tensor_specs
-from verl_p2p.planning.plan_rates import MEASUREMENTS, Rates
+from verl_p2p.planning.plan_rates import Rates
 from verl_p2p.planning.whole_sync import parse_link, predict_whole
 
 RUNS_FILE = MEASUREMENTS / "measured_runs.json"
@@ -109,7 +110,7 @@ def table(checked: list[Checked], skipped: list[dict]) -> str:
 
 
 def run_check(runs_file: str | None, table_file: str | None) -> int:
-    checked, skipped = check_runs(Path(runs_file) if runs_file else RUNS_FILE, Rates.load())
+    checked, skipped = check_runs(Path(runs_file) if runs_file else RUNS_FILE, load_rates())
     text = table(checked, skipped)
     print(text, end="")
     if table_file:

@@ -16,24 +16,35 @@ os.environ["RAY_AUTH_MODE"] = "disabled"
 
 # Modules in the order `make test` hands them to its two pytest-xdist workers (`--dist loadfile
 # --no-loadscope-reorder`: whole modules, in collection order): the longest first, so neither worker is left with
-# a long module at the end while the other idles; every module not named here follows in its own order. The
-# replica-exact module building the shared SGLang witnesses (support/replica_matrix.py) leads; the other modules
-# reading them come after a few long ones, when the builds are done or one release is still free to build.
+# a long module at the end while the other idles (ranked by a module's summed test times in a full run); every
+# module not named here follows in its own order. test_replica_exact.py builds the shared SGLang witnesses
+# (support/replica_matrix.py) early; the other modules reading them come late, when the builds are done.
 LONGEST_FIRST = (
+    "test_push_deadline.py",
+    "test_stalled_rank_export.py",
+    "test_loopback_post_load.py",
+    "test_fsdp_source.py",
     "test_replica_exact.py",
-    "test_sync_failures.py",
-    "test_router_bias_sync.py",
-    "test_verl_e2e.py",
-    "test_loopback.py",
-    "test_push_bench.py",
-    "test_real_sizes.py",
-    "test_replica_exact_models.py",
-    "test_ray_env_protocol.py",
-    "test_cli.py",
+    "test_demo_e2e.py",
+    "test_scripts.py",
     "test_e2e_loopback.py",
+    "test_gpu_verl_replica.py",
+    "test_real_sizes.py",
     "test_soak.py",
-    "test_stalled_rank_go_no_go.py",
     "test_fsdp_bf16_rollout.py",
+    "test_export_pp_local.py",
+    "test_e2e_generations.py",
+    "test_plan_cache.py",
+    "test_sync_e2e.py",
+    "test_soak_leaks.py",
+    "test_verl_e2e.py",
+    "test_fsdp_refusals.py",
+    "test_sync_failures.py",
+    "test_replica_exact_models.py",
+    "test_tiny_recipe.py",
+    "test_registration.py",
+    "test_replica_cpu_host.py",
+    "test_router_bias_sync.py",
     "test_replica_exact_casts.py",
     "test_replica_fp8.py",
     "test_replica_fp8_mla.py",

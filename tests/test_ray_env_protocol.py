@@ -33,7 +33,7 @@ def test_protocol_given_once_reaches_the_trainer_and_a_rollout_server_actor_thro
     """verl's one_step_off main (Hydra's main, the config's callbacks, verl's run_ppo building the runtime env and
     starting a local Ray cluster) with a stand-in task runner that reports what the processes see."""
     out = tmp_path / "seen.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0"}  # RAY_AUTH_MODE: conftest.py
     args = [*USER_ARGS, "ray_kwargs.ray_init.num_cpus=1", "+ray_kwargs.ray_init.include_dashboard=false"]
     probe = ROOT / "tests" / "support" / "launch_probe.py"
     run = subprocess.run(

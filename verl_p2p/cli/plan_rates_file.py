@@ -19,7 +19,7 @@ RATES_FILE = MEASUREMENTS / "plan_rates.json"
 CALIBRATION = {
     "megatron": ("grpo_h200_resume_tiny_p2p.json", "grpo_h200_save_step3_tiny_p2p.json"),
     "fsdp": ("grpo_h100_one_step_off_tiny_fsdp_p2p.json",),
-    "control": ("e2e_h200_sglang0512.json",),
+    "control_plane": ("e2e_h200_sglang0512.json",),
 }
 TINY_BYTES, TINY_TENSORS = 2886656, 25  # the tiny GRPO shape (recipes/tiny/make_tiny.py MODEL), bf16
 
@@ -92,10 +92,10 @@ def derive_rates(root: Path = MEASUREMENTS) -> dict:
             statistics.median(gaps), " + ".join(CALIBRATION[kind]), "median(steps[1:].sync_s - steps[1:].push_s)",
             f"verl's update_weights timer around p2p's push ({kind} trainer): HTTP steps, Ray calls, export start",
         )  # fmt: skip
-    e2e = _read(CALIBRATION["control"][0], root)
+    e2e = _read(CALIBRATION["control_plane"][0], root)
     syncs = [s for m in e2e["models"].values() for s in m["syncs"][1:] if s.get("outcome") == "ok" and not s["drill"]]
     rates["control_per_engine_s"] = _fig(
-        statistics.median(s["phases"]["control_plane"] for s in syncs), CALIBRATION["control"][0],
+        statistics.median(s["phases"]["control_plane"] for s in syncs), CALIBRATION["control_plane"][0],
         "median(models.*.syncs[1:].phases.control_plane)", "abort, begin, bump_version, flush_cache, resume per engine",
     )  # fmt: skip
     first = [m["syncs"][0]["phases"] for m in _read("e2e_h200_sglang0521_qwen3.json", root)["models"].values()]

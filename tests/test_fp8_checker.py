@@ -91,7 +91,7 @@ def test_fp8_sync_passes_the_bitwise_weight_check_and_a_changed_weight_fails_it(
     trainer = EngineStandIn(cfg, bf16, hf)
     monkeypatch.setattr(verl_engine, "find_megatron_engine", lambda owner: trainer)
     monkeypatch.setattr(verl_engine, "engine_exporter", lambda eng, mode: SimpleNamespace(mode=mode))
-    monkeypatch.setattr(verl_engine, "export_engine_stage", lambda exporter, eng: eng.stream())
+    monkeypatch.setattr(verl_engine, "export_engine_stage", lambda exporter, eng, **kwargs: eng.stream())
     config = P2PConfig(
         protocol="tcp",
         hostname="127.0.0.1",

@@ -94,7 +94,7 @@ def source_session(monkeypatch, engine):
 
     monkeypatch.setattr(verl_engine, "find_megatron_engine", lambda owner: engine)
     monkeypatch.setattr(verl_engine, "engine_exporter", lambda eng, mode: SimpleNamespace(mode="pp_local"))
-    monkeypatch.setattr(verl_engine, "export_engine_stage", lambda exporter, eng: eng.stream())
+    monkeypatch.setattr(verl_engine, "export_engine_stage", lambda exporter, eng, **_: eng.stream())
     config = P2PConfig(protocol="tcp", hostname="127.0.0.1", bucket_size_mb=1, release_buffers_on_save=False)
     return SourceSession(config, owner=object(), hostname="127.0.0.1")
 

@@ -45,7 +45,8 @@ from verl_p2p.planning.targets import TargetRank
 pytestmark = pytest.mark.slow
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
-DEADLINE_S = 4.0  # p2p_push_deadline_s
+# p2p_push_deadline_s: a new gloo group of 4 ranks meets within it on a loaded 2-core host (4 s did not, at load 28)
+DEADLINE_S = 8.0
 GROUP_TIMEOUT_S = 20.0  # the trainer's own groups: longer than a "stop" lasts, shorter than "stop_past_timeout"
 MARGIN_S = 4.0  # process scheduling on a busy 2-core host
 AFTER = 3  # tensors the victim streams before its signal

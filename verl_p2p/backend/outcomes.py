@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from verl_p2p.backend.topology import blocked_ranks
+from verl_p2p.backend.waiting import ray_wrappers
 from verl_p2p.errors import LateError, PushError, error_chain, in_flight_targets_of, unknown_targets_of
 
 
@@ -110,16 +111,8 @@ def _names_targets(chain: Sequence[BaseException]) -> bool:
     """Whether the rank's own error names the targets that failed: an error in the chain other than the wrappers
     (the PushError a rank reports its outcome in, which names all its targets when its cause named none, and Ray's
     RayTaskError); where nothing but the wrappers arrived, their list counts."""
-    own = [e for e in chain if not isinstance(e, (PushError, *_ray_wrappers()))]
+    own = [e for e in chain if not isinstance(e, (PushError, *ray_wrappers()))]
     return any(isinstance(getattr(e, "unknown_targets", None), frozenset) for e in own or chain)
-
-
-def _ray_wrappers() -> tuple[type, ...]:
-    try:
-        from ray.exceptions import RayTaskError
-    except ImportError:  # pragma: no cover - the driver runs under Ray
-        return ()
-    return (RayTaskError,)
 
 
 def _aborted(chain: Sequence[BaseException]) -> Any:

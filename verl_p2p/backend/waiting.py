@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from verl_p2p.errors import LateError, first_line
+from verl_p2p.errors import LateError, error_chain, first_line
 
 
 def trainer_rank(index: int) -> str:
@@ -61,13 +61,17 @@ def failed_ranks_text(failed: Sequence[tuple[int, BaseException]], who: Callable
 def describe(error: BaseException) -> str:
     """`Type: first line` of what a call raised: out of Ray's RayTaskError (whose own first line names only the
     worker process), the exception the rank itself raised."""
+    own = next((e for e in error_chain(error) if not isinstance(e, ray_wrappers())), error)
+    return f"{type(own).__name__}: {first_line(own)}"
+
+
+def ray_wrappers() -> tuple[type, ...]:
+    """The exception types Ray wraps a remote call's own exception in (its `cause`): what the driver looks through."""
     try:
         from ray.exceptions import RayTaskError
     except ImportError:  # pragma: no cover - the driver runs under Ray
-        RayTaskError = ()  # noqa: N806
-    while isinstance(error, RayTaskError) and isinstance(getattr(error, "cause", None), BaseException):
-        error = error.cause
-    return f"{type(error).__name__}: {first_line(error)}"
+        return ()
+    return (RayTaskError,)
 
 
 def _wait_refs(refs: list[Any], deadline_s: float, wanted: list[int], who: Callable[[int], str]) -> list[Any]:

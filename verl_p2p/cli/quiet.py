@@ -82,12 +82,17 @@ class _Router(io.TextIOBase):
 
 
 def _printed_by_us(frame) -> bool:
-    """Whether the code that printed (the first frame that is not a `write` wrapper: wandb, for one, wraps
-    `sys.stdout.write` in place) is part of this package."""
-    while frame is not None and "write" in frame.f_code.co_name:
+    """Whether the code that printed is part of this package: the first frame that is not a wrapper of `write`
+    (wandb wraps `sys.stdout.write` in place) or of `print` (Ray's driver replaces `builtins.print` with its
+    tqdm `safe_print` once a worker's log line reaches it, for the rest of the process)."""
+    while frame is not None and _is_output_wrapper(frame.f_code.co_name):
         frame = frame.f_back
     caller = frame.f_globals.get("__file__") if frame is not None else None
     return bool(caller) and os.path.abspath(caller).startswith(_PACKAGE_DIR + os.sep)
+
+
+def _is_output_wrapper(function_name: str) -> bool:
+    return "write" in function_name or function_name == "print" or function_name.endswith("_print")
 
 
 def _redirect_to_log(command: str) -> tuple[str, Callable[[], None]]:

@@ -68,24 +68,38 @@ def cluster():
         os.environ["PYTHONPATH"] = saved
 
 
+@pytest.fixture(scope="module")
+def healthy_ranks(cluster):
+    """The ranks other than the victim, started once for the module: each test gives them a new engine (`reset`)."""
+    remote = ray.remote(deadline_ranks.TrainerRankActor)
+    actors = {
+        r: remote.options(num_cpus=1, max_concurrency=1).remote(r, WORLD, OPTIONS, None)
+        for r in range(WORLD)
+        if r != VICTIM
+    }
+    ray.get([actor.ready.remote() for actor in actors.values()], timeout=300)
+    yield actors
+    for actor in actors.values():
+        ray.kill(actor)
+
+
 @pytest.fixture
-def world(cluster, request):
+def world(healthy_ranks, request):
+    """The victim in a new process each test (it dies or hangs), the healthy ranks reset, the servers new."""
     fault, retries = request.param
     options = {**OPTIONS, "p2p_push_retries": retries}
     remote = ray.remote(deadline_ranks.TrainerRankActor)
-    actors = [
-        remote.options(num_cpus=1, max_concurrency=1).remote(r, WORLD, options, fault if r == VICTIM else None)
-        for r in range(WORLD)
-    ]
-    ray.get([actor.ready.remote() for actor in actors], timeout=300)
+    victim = remote.options(num_cpus=1, max_concurrency=1).remote(VICTIM, WORLD, options, fault)
+    resets = [actor.reset.remote(options) for actor in healthy_ranks.values()]
+    ray.get([victim.ready.remote(), *resets], timeout=300)
+    actors = [victim if r == VICTIM else healthy_ranks[r] for r in range(WORLD)]
     servers = [FakeSGLang(tp_size=2, server_args={SEED_FLAG: True, MEMORY_SAVER: False}) for _ in range(2)]
     config = CheckpointEngineConfig(backend="p2p", engine_kwargs={"p2p": options})
     group = deadline_ranks.RayActorGroupStandIn(actors)
     manager = P2PCheckpointEngineManager(config, group, [ReplicaStandIn(i, s) for i, s in enumerate(servers)])
     yield manager, servers
     manager.close()
-    for actor in actors:
-        ray.kill(actor)
+    ray.kill(victim)
     for server in servers:
         server.stop()
 

@@ -41,25 +41,29 @@ PARKED = ["pause_generation", "begin_weight_update", "end_weight_update"]  # sta
 M = "checkpoint_engine/p2p/"
 
 
+@pytest.fixture(scope="module")
+def ranks(cluster):  # noqa: F811 - the fixture imported above
+    """The trainer-rank actors, started once for the module: each test gives them a new engine (`reset`)."""
+    remote = ray.remote(flaky_ranks.FlakyRankActor)
+    actors = [remote.options(num_cpus=1, max_concurrency=1).remote(r, WORLD, OPTIONS) for r in range(WORLD)]
+    ray.get([actor.ready.remote() for actor in actors], timeout=300)
+    yield actors
+    for actor in actors:
+        ray.kill(actor)
+
+
 @pytest.fixture
-def world(cluster, request):  # noqa: F811 - the fixture imported above
+def world(ranks, request):
     """(options, {rank: failing push numbers}) -> the manager, its servers and the trainer-rank actors."""
     extra, fail_on = request.param
     options = {**OPTIONS, **extra}
-    remote = ray.remote(flaky_ranks.FlakyRankActor)
-    actors = [
-        remote.options(num_cpus=1, max_concurrency=1).remote(r, WORLD, options, fail_on.get(r, ()))
-        for r in range(WORLD)
-    ]
-    ray.get([actor.ready.remote() for actor in actors], timeout=300)
+    ray.get([actor.reset.remote(options, fail_on.get(r, ())) for r, actor in enumerate(ranks)], timeout=300)
     servers = [FakeSGLang(tp_size=2, server_args={SEED_FLAG: True, MEMORY_SAVER: False}) for _ in range(2)]
     config = CheckpointEngineConfig(backend="p2p", engine_kwargs={"p2p": options})
-    group = RayActorGroupStandIn(actors)
+    group = RayActorGroupStandIn(ranks)
     manager = P2PCheckpointEngineManager(config, group, [ReplicaStandIn(i, s) for i, s in enumerate(servers)])
-    yield manager, servers, actors
+    yield manager, servers, ranks
     manager.close()
-    for actor in actors:
-        ray.kill(actor)
     for server in servers:
         server.stop()
 

@@ -81,7 +81,14 @@ class TrainerRankActor:
     """One trainer rank in its own process (a Ray actor): verl's checkpoint-engine calls on a real engine."""
 
     def __init__(self, rank: int, world: int, options: dict, fault: tuple[str, int] | None = None) -> None:
+        self.rank, self.world = rank, world
         self.engine = trainer_engine(rank, world, options, fault)
+
+    def reset(self, options: dict, fault: tuple[str, int] | None = None) -> bool:
+        """A new engine in this same process, for the next test: a healthy rank's process is reused (its start,
+        imports included, is seconds on a busy 2-core host); a faulted one is never reused."""
+        self.engine = trainer_engine(self.rank, self.world, options, fault)
+        return True
 
     def ready(self) -> bool:
         """Answers once the process is up (its start is no part of a deadline under test)."""

@@ -41,6 +41,15 @@ class FlakyRankActor(TrainerRankActor):
 
     def __init__(self, rank: int, world: int, options: dict, fail_on: tuple[int, ...] = ()) -> None:
         super().__init__(rank, world, options, None)
+        self._flaky(fail_on)
+
+    def reset(self, options: dict, fail_on: tuple[int, ...] = ()) -> bool:  # type: ignore[override]
+        super().reset(options, None)
+        self._flaky(fail_on)
+        return True
+
+    @staticmethod
+    def _flaky(fail_on: tuple[int, ...]) -> None:
         import verl_p2p.trainer.source as source
 
         source.SourceSession = FlakySessionStandIn

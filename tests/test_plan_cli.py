@@ -19,6 +19,7 @@ from verl_p2p.planning.sync_estimate import (
     trainer_sources,
 )
 from verl_p2p.planning.targets import TargetRank
+from verl_p2p.planning.whole_sync import FSDP_GATHERS_NOT_COUNTED
 from verl_p2p.sandbox.tiny import tiny_config_dict
 
 
@@ -292,4 +293,8 @@ def test_plan_an_fsdp_trainer_every_rank_sends_a_part_of_every_target(tiny_model
     # its export is every rank's full-tensor gathers, not Megatron's (what the footer names as left out)
     assert "FSDP rank's full-tensor gathers" in out["assumptions"]["not_counted"]
     assert "Megatron" not in out["assumptions"]["not_counted"]
+    # the whole sync names the gathers it cannot count (no measured rate), a Megatron trainer's names nothing
+    assert out["whole_sync"]["not_counted"] == [FSDP_GATHERS_NOT_COUNTED]
+    assert cli_main([*argv[:4], "tp=1,dp=4", *argv[5:]]) == 0
+    assert json.loads(capsys.readouterr().out)["whole_sync"]["not_counted"] == []
     assert cli_main(["plan", "--model", str(path), "--trainer", "fsdp=4,tp=2", "--rollout", "tp=2"]) == 2

@@ -141,7 +141,8 @@ def assumptions_text(
         "convert": f"{convert_gbps:g} GB/s of rollout bytes produced per source ({source})",
         "pipeline": f"two transfer slots of {slot_bytes >> 20} MB: predicted = max(max(convert, wire) + one "
         "slot, the largest target's receive time)",
-        "not_counted": f"the trainer's HF export ({export}) and the rollout's pause/resume calls",
+        "not_counted": f"by the layout estimate: the trainer's HF export ({export}) and the rollout's pause/resume "
+        "calls (the whole-sync line adds them, from measured rates)",
     }
 
 

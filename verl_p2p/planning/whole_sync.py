@@ -40,14 +40,21 @@ def parse_link(text: str) -> Link:
     return Link("rdma", gbits)
 
 
+FSDP_GATHERS_NOT_COUNTED = (
+    "an FSDP trainer's full-tensor all-gathers over its ranks' links (each rank gathers the whole model): no "
+    "multi-GPU run measures their rate yet"
+)
+
+
 @dataclass(frozen=True)
 class WholeSync:
-    """Seconds per part of one steady sync, and what the first sync adds."""
+    """Seconds per part of one steady sync, what the first sync adds, and what no measured rate covers yet."""
 
     parts: dict[str, float]
     paused_s: float
     verl_sync_s: float
     first_extra_s: float
+    not_counted: tuple[str, ...] = ()
 
     @property
     def bound(self) -> str:
@@ -61,13 +68,16 @@ class WholeSync:
             "steady_verl_sync_s": self.verl_sync_s,
             "first_sync_extra_s": self.first_extra_s,
             "first_sync_total_s": self.paused_s + self.first_extra_s,
+            "not_counted": list(self.not_counted),
         }
 
     def text(self) -> str:
         parts = " + ".join(f"{k} {v:.3f}" for k, v in self.parts.items())
+        missing = "".join(f"; not counted: {what}" for what in self.not_counted)
         return (
             f"whole sync (steady): {parts} -> paused {self.paused_s:.3f} s ({self.bound}-bound); verl's "
-            f"update_weights ~{self.verl_sync_s:.3f} s; the first sync adds {self.first_extra_s:.1f} s before the pause"
+            f"update_weights ~{self.verl_sync_s:.3f} s; the first sync adds {self.first_extra_s:.1f} s before the "
+            f"pause{missing}"
         )
 
 
@@ -101,4 +111,5 @@ def predict_whole(
     paused = parts["export"] + overlapped + parts["push_fixed"] + parts["control_plane"]
     overhead = rates.verl_overhead_s.get(trainer_kind, rates.verl_overhead_s["megatron"])
     verl = paused - parts["control_plane"] + overhead  # verl's timer: p2p's push plus its own overhead
-    return WholeSync(parts, paused, verl, rates.first_prepare_s)
+    not_counted = (FSDP_GATHERS_NOT_COUNTED,) if trainer_kind == "fsdp" else ()
+    return WholeSync(parts, paused, verl, rates.first_prepare_s, not_counted)

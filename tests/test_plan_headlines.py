@@ -45,3 +45,8 @@ def test_each_quoted_command_prints_its_figure(row, capsys, tmp_path):
     out = capsys.readouterr().out
     seconds = figure.removesuffix(" s")
     assert re.search(rf"predicted sync {re.escape(seconds)} s|\s{re.escape(seconds)}s\s", out), (model, out[-3000:])
+    if "--trainer" not in argv:  # the published layouts: each row's whole sync beside its wire prediction
+        rows = re.findall(r"\s(\d+\.\d{3})s +\d+\.\d{3}s +\d+\.\d{3}s +(\d+\.\d{3})s .*whole sync [\w-]+-bound\)", out)
+        assert rows, (model, out[-3000:])
+        for predicted, whole in rows:  # the whole sync adds the export and fixed costs to the wire
+            assert float(whole) > float(predicted), (model, predicted, whole)

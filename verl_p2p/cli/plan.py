@@ -572,6 +572,7 @@ def _run(args: argparse.Namespace, request: PlanRequest) -> int:
         rows = []
         for p in published:
             est, unsplit = estimates(p.trainer, p.rollout)
+            link, whole = _whole_sync(args, est, p.trainer, p.rollout, len(hf_specs), fp8)
             rows.append(
                 {
                     "system": p.system,
@@ -582,6 +583,7 @@ def _run(args: argparse.Namespace, request: PlanRequest) -> int:
                     **estimate_json(est, p.trainer, p.rollout),
                     **without_split_json(unsplit),
                     "memory": fit_of(est).json(),
+                    "whole_sync": {"link": link, **whole.json()},
                 }
             )
         out["anchors"] = rows
@@ -619,15 +621,22 @@ def _run(args: argparse.Namespace, request: PlanRequest) -> int:
     print(f"; the rollout holds {gb_text(out['rollout_bytes'])} ({args.rollout_quant})")
     if anchors:
         print(
-            f"{'system':<24} {'published':>10} {'predicted':>10} {'wire floor':>10} {'no split':>10}  "
+            f"{'system':<24} {'published':>10} {'predicted':>10} {'wire floor':>10} {'no split':>10} {'whole':>10}  "
             "trainer -> rollout (assumed)"
         )
         for row in out["anchors"]:
+            whole_row = row["whole_sync"]
             print(
                 f"{row['system']:<24} {row['published']:>10} {row['predicted_s']:>9.3f}s {row['wire_floor_s']:>9.3f}s"
-                f" {row['predicted_without_split_s']:>9.3f}s  {row['trainer']['layout']} -> {row['rollout']['layout']}"
-                f" ({row['senders']} of {row['trainer']['ranks']} trainer GPUs send; {row['bound']}-bound)"
+                f" {row['predicted_without_split_s']:>9.3f}s {whole_row['steady_paused_s']:>9.3f}s  "
+                f"{row['trainer']['layout']} -> {row['rollout']['layout']} ({row['senders']} of "
+                f"{row['trainer']['ranks']} trainer GPUs send; wire {row['bound']}-bound; whole sync "
+                f"{whole_row['bound']}-bound)"
             )
+        print(
+            "predicted: the wire through the layout's links; whole: the steady pause with export, conversion, "
+            f"staging, control plane and p2p's fixed cost added (link {out['anchors'][0]['whole_sync']['link']})"
+        )
         for row in out["anchors"]:
             print(f"  {row['system']} {row['published']}: {row['setting']}; assumed: {row['assumed']}")
             if not row["memory"]["fits"]:

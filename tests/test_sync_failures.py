@@ -57,8 +57,9 @@ def world(ranks, request):
     """(options, {rank: failing push numbers}) -> the manager, its servers and the trainer-rank actors."""
     extra, fail_on = request.param
     options = {**OPTIONS, **extra}
-    ray.get([actor.reset.remote(options, fail_on.get(r, ())) for r, actor in enumerate(ranks)], timeout=300)
     servers = [FakeSGLang(tp_size=2, server_args={SEED_FLAG: True, MEMORY_SAVER: False}) for _ in range(2)]
+    urls = {engine: server.url for engine, server in enumerate(servers)}
+    ray.get([actor.reset.remote(options, fail_on.get(r, ()), urls) for r, actor in enumerate(ranks)], timeout=300)
     config = CheckpointEngineConfig(backend="p2p", engine_kwargs={"p2p": options})
     group = RayActorGroupStandIn(ranks)
     manager = P2PCheckpointEngineManager(config, group, [ReplicaStandIn(i, s) for i, s in enumerate(servers)])
@@ -94,7 +95,8 @@ def step_end(manager, step: int) -> dict:
 
 
 def calls_since(server: FakeSGLang, start: int) -> list[str]:
-    return server.lifecycle_calls()[start:]
+    """The lifecycle calls from `start` on, less the pushes (which the weights-check tests count)."""
+    return [c for c in server.lifecycle_calls()[start:] if c != "push"]
 
 
 @pytest.mark.parametrize("world", [({}, {1: (2,)})], indirect=True)
@@ -183,6 +185,50 @@ def test_fully_async_a_sync_that_keeps_failing_stops_the_run_and_never_resumes_t
         else:
             assert server.weight_version == "1" and not server.paused, calls
         assert server.violations == []
+
+
+CHECK = {"check_weight_update_equal": True}
+MISMATCH = "model.layers.0.mlp.weight: values differ from the snapshot (injected)"
+
+
+@pytest.mark.parametrize("world", [(CHECK, {})], indirect=True)
+def test_one_step_off_a_weights_check_failing_once_is_checked_again_in_the_same_call(world):
+    """check_weight_update_equal: engine 1's first compare fails (a byte the sync missed, as the rollout's
+    weights_checker reports it). The engine stays paused (never serves unchecked weights), is re-armed, written
+    and compared again inside the same `update_weights` call; the second compare passes and the step goes on."""
+    manager, servers, _ = world
+    servers[1].compare_error, servers[1].compare_error_times = MISMATCH, 1
+    trainer = one_step_off(manager)
+
+    metrics = fit_update_weights(trainer, 0)
+
+    assert metrics[M + "failed_attempts"] == 1.0 and metrics[M + "sync_failed"] == 0.0, metrics
+    assert all(s.weight_version == "0" and not s.paused and s.violations == [] for s in servers)
+    checks = [c for c in servers[1].calls if c == "weights_checker"]
+    assert len(checks) == 6, servers[1].calls  # snapshot, reset, compare (failed); again, passed
+    calls = servers[1].lifecycle_calls()
+    assert calls.count("continue_generation") == 1 and calls[-1] == "continue_generation", calls
+    assert calls.index("continue_generation") > max(i for i, c in enumerate(calls) if c == "weights_checker")
+
+
+@pytest.mark.parametrize("world", [(CHECK, {})], indirect=True)
+def test_one_step_off_a_weights_check_that_keeps_failing_stops_the_run_with_the_replica_paused(world):
+    """Every compare of engine 1 fails: the call re-checks it until p2p_max_consecutive_failures, then the run
+    stops naming the mismatch and the paused replica; engine 1 never resumed, engine 0 checked and serving."""
+    manager, servers, _ = world
+    servers[1].compare_error = MISMATCH
+    trainer = one_step_off(manager)
+
+    with pytest.raises(SyncError) as info:
+        fit_update_weights(trainer, 0)
+
+    text = str(info.value)
+    assert "3 weight syncs failed in a row (p2p_max_consecutive_failures=3)" in text, text
+    assert MISMATCH in text and "Replicas still paused" in text, text
+    assert info.value.stale_engines == [1]
+    assert servers[1].paused and "continue_generation" not in servers[1].lifecycle_calls()
+    assert not servers[0].paused and servers[0].weight_version == "0"
+    assert all(s.violations == [] for s in servers)
 
 
 @pytest.mark.parametrize("value", [0, -1, 1.5, True, "3"])

@@ -131,6 +131,7 @@ class FakeSGLang:
         self.checker = "none"  # none -> snapshot -> reset -> (compare)
         self.pushed_since_reset = False
         self.compare_error: str | None = None
+        self.compare_error_times: int | None = None  # compares that fail with compare_error (None: every one)
         self._encoded: dict[int, tuple[str, bytes]] = {}
         self._stop = threading.Event()
         self._http = self._start("control")
@@ -190,20 +191,24 @@ class FakeSGLang:
     def write(self) -> None:
         """The trainer's push into this engine's weights: legal only while paused and (if any) in a session."""
         with self.lock:
-            if not self.paused:
-                raise AssertionError(f"{self.url}: push while generating")
-            if self.sessions and not self.session_open:
-                raise AssertionError(f"{self.url}: push outside a weight-update session")
-            self.calls.append("push")
-            if self.journal is not None:
-                self.journal.append("push")
-            self.pushes += 1
-            self.pushed_since_reset = True
-            self.cache_stale = True
+            self._write()
+
+    def _write(self) -> None:  # self.lock held
+        if not self.paused:
+            raise AssertionError(f"{self.url}: push while generating")
+        if self.sessions and not self.session_open:
+            raise AssertionError(f"{self.url}: push outside a weight-update session")
+        self.calls.append("push")
+        if self.journal is not None:
+            self.journal.append("push")
+        self.pushes += 1
+        self.pushed_since_reset = True
+        self.cache_stale = True
 
     def lifecycle_calls(self) -> list[str]:
         """The calls that change state, in order (reads such as server_info and rank info left out)."""
         reads = {"server_info", "get_server_info", "health", "model_info", "weight_version", "get_weight_version"}
+        reads.add("stand_in_push")  # not a route of SGLang's: the push it reports is recorded as "push"
         return [c for c in self.calls if c not in reads and "transfer_engine_info" not in c]
 
     # ---- routes ------------------------------------------------------------------------------------------
@@ -353,6 +358,16 @@ class FakeSGLang:
         self.cache_stale = False
         return 200, b"Cache flushed."
 
+    def _r_stand_in_push(self, method, query, body):
+        """Not an SGLang route: a trainer-rank stand-in in another process says its push landed here
+        (tests/support/flaky_ranks.py), as `write()` says it in-process; an illegal push is a violation."""
+        try:
+            self._write()
+        except AssertionError as exc:
+            self.violations.append(str(exc))
+            return 400, {"success": False, "message": str(exc)}
+        return 200, {"success": True}
+
     def _r_weights_checker(self, method, query, body):
         action = body.get("action")
         if action == "snapshot":
@@ -366,6 +381,10 @@ class FakeSGLang:
                 return 400, {"success": False, "message": "compare without snapshot + reset"}
             if self.compare_error or not self.pushed_since_reset:
                 message = self.compare_error or "model.layers.0.mlp.weight: values differ from the snapshot"
+                if self.compare_error and self.compare_error_times is not None:
+                    self.compare_error_times -= 1
+                    if self.compare_error_times <= 0:
+                        self.compare_error = self.compare_error_times = None
                 return 400, {"success": False, "message": message}
             self.checker = "compared"
         else:

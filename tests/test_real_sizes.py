@@ -83,6 +83,10 @@ def test_qwen3_30b_a3b_bytes_per_depth_meet_issue_35s_sizes():
     assert at24.fp8_tensors > at24.tensors and at24.fp8_bytes < 0.55 * at24.bf16_bytes  # scales added, half the bytes
     with pytest.raises(ValueError, match="1..48"):
         qwen3_30b_a3b(49)
+    # the budgets' per-depth figures (one layer's increment per layer) equal a count of every tensor
+    from verl_p2p.e2e.real_sizes import qwen3_sync_bytes
+
+    assert qwen3_sync_bytes(24) == at24 and qwen3_sync_bytes(48) == at48
 
 
 def test_one_gpu_budget_follows_sglangs_kv_rule():

@@ -233,8 +233,15 @@ def largest_depth(rollout_quant: str, fresh_server: bool = True, disk: bool = Fa
 @functools.cache
 def qwen3_sync_bytes(layers: int) -> SyncBytes:
     """`sync_bytes` of Qwen3-30B-A3B at a depth, kept: a pure function of the depth that `largest_depth` asks for
-    every depth of every budget (it lists every HF tensor; uncached, the dry step's summary took 19 s)."""
-    return sync_bytes(qwen3_30b_a3b(layers))
+    every depth of every budget. Every layer of the model holds the same tensors (all MoE), so past two layers it
+    is the one-layer count plus one layer's increment per layer (tests/test_real_sizes.py holds it equal to a
+    count of every tensor); listing every tensor of every depth made the dry step's arithmetic seconds long."""
+    if layers <= 2:
+        return sync_bytes(qwen3_30b_a3b(layers))
+    one, two = qwen3_sync_bytes(1), qwen3_sync_bytes(2)
+    fields = ("tensors", "bf16_bytes", "fp8_tensors", "fp8_bytes")
+    grown = {f: getattr(one, f) + (layers - 1) * (getattr(two, f) - getattr(one, f)) for f in fields}
+    return SyncBytes(layers=layers, **grown)
 
 
 def usable_gpu_bytes(total_mib: int) -> int:

@@ -22,6 +22,7 @@ os.environ["RAY_AUTH_MODE"] = "disabled"
 LONGEST_FIRST = (
     "test_push_deadline.py",
     "test_stalled_rank_export.py",
+    "test_manager_stalled_export.py",
     "test_loopback_post_load.py",
     "test_fsdp_source.py",
     "test_replica_exact.py",

@@ -10,8 +10,9 @@ Stand-ins, each named as such:
   It runs no collective, so each rank reports that it exports alone (`export_peers`: itself, as a Megatron TP1
   data-parallel copy would): a re-push around a dead rank is planned as for DP copies. This test shows the
   manager's deadline arithmetic and planning only: that the real go/no-go runs without a dead or stalled rank and
-  that its TP peers are cut off is shown in a real gloo world by tests/test_stalled_rank_go_no_go.py; no test yet
-  runs a real export (Megatron or FSDP) with a rank killed or stopped inside it.
+  that its TP peers are cut off is shown in a real gloo world by tests/test_stalled_rank_go_no_go.py; a rank killed or
+  stopped inside the real export by tests/test_stalled_rank_export.py (the test as the driver) and
+  tests/test_manager_stalled_export.py (this manager driving real ranks).
 - `RayActorGroupStandIn` for verl's actor RayWorkerGroup: its two entry points the manager calls, one Ray call
   per rank (as verl's group returns them).
 """

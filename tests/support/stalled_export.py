@@ -15,8 +15,11 @@ outcome "ok", "skipped" (its assignment leaves it out of the export) or "ErrorTy
 from __future__ import annotations
 
 import os
+import signal
 import time
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,16 +55,13 @@ def serve(rank: int, trainer: Trainer, inbox: Any, out: Any) -> None:
         out.put(("error", rank, traceback.format_exc()))
 
 
-def _build(rank: int, trainer: Trainer) -> tuple[Any, Any]:
+def init_rank(rank: int, trainer: Trainer) -> tuple[Any, Any]:
+    """Join the gloo world as `rank` and build its model: (the owner p2p's source reads it through, the engine)."""
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     import torch
 
-    from verl_p2p.backend.topology import SourceMeta
-    from verl_p2p.config import P2PConfig
     from verl_p2p.sandbox.cpu_megatron import init_distributed
     from verl_p2p.sandbox.cpu_stubs import install_cpu_stubs
-    from verl_p2p.trainer.source import SourceSession
-    from verl_p2p.trainer.verl_engine import export_peers
 
     torch.set_num_threads(1)
     install_cpu_stubs()
@@ -70,51 +70,71 @@ def _build(rank: int, trainer: Trainer) -> tuple[Any, Any]:
         from verl_p2p.sandbox.cpu_megatron import Parallel, megatron_engine_shell
 
         engine = megatron_engine_shell(trainer.model_dir, Parallel(tp=TP), timeout_s=trainer.group_timeout_s)
-        owner = engine
-    else:
-        from support.fsdp_ranks import actor_worker, cpu_platform_for_verl_fsdp, fsdp2_engine
+        return engine, engine
+    from support.fsdp_ranks import actor_worker, cpu_platform_for_verl_fsdp, fsdp2_engine
 
-        cpu_platform_for_verl_fsdp()
-        engine = fsdp2_engine(trainer.model_dir, trainer.world)
-        owner = actor_worker(engine)
-    config = P2PConfig(
-        protocol="tcp",
-        hostname="127.0.0.1",
-        bucket_size_mb=1,
-        p2p_transfer_timeout=trainer.deadline_s / 2,
-        p2p_push_deadline_s=trainer.deadline_s,
-        plan_cache_dir="",
-    )
-    session = SourceSession(config, owner, hostname="127.0.0.1")
+    cpu_platform_for_verl_fsdp()
+    engine = fsdp2_engine(trainer.model_dir, trainer.world)
+    return actor_worker(engine), engine
+
+
+def p2p_options(trainer: Trainer) -> dict[str, Any]:
+    """The p2p options of every rank (`engine_kwargs.p2p`): tcp on 127.0.0.1, p2p's deadline from `trainer`."""
+    return {
+        "protocol": "tcp",
+        "hostname": "127.0.0.1",
+        "bucket_size_mb": 1,
+        "p2p_transfer_timeout": trainer.deadline_s / 2,
+        "p2p_push_deadline_s": trainer.deadline_s,
+        "plan_cache_dir": "",
+    }
+
+
+@contextmanager
+def signalled_in_stream(session: Any, fault: tuple[int, int] | None) -> Iterator[None]:
+    """While inside: `session`'s export stream sends this process `fault[0]` after `fault[1]` tensors (SIGSTOP:
+    it resumes there on SIGCONT). None: no fault."""
+    if fault is None:
+        yield
+        return
+    sig, after = fault
+    original = session.stream
+
+    def faulting(*args: Any, **kwargs: Any):
+        for i, item in enumerate(original(*args, **kwargs)):
+            if i == after:
+                os.kill(os.getpid(), signal.Signals(sig))
+            yield item
+
+    session.stream = faulting
+    try:
+        yield
+    finally:
+        del session.stream
+
+
+def _build(rank: int, trainer: Trainer) -> tuple[Any, Any]:
+    from verl_p2p.backend.topology import SourceMeta
+    from verl_p2p.config import P2PConfig
+    from verl_p2p.trainer.source import SourceSession
+    from verl_p2p.trainer.verl_engine import export_peers
+
+    owner, engine = init_rank(rank, trainer)
+    session = SourceSession(P2PConfig(**p2p_options(trainer)), owner, hostname="127.0.0.1")
     full = trainer.kind == "fsdp"
     return session, SourceMeta(rank, 0, 1, 0, full_stream=full, export_peers=export_peers(engine))
 
 
 def _run(rank: int, session: Any, call: Call) -> tuple:
-    import signal
-
     session.apply(call.assignment)
-    if call.fault is not None:
-        sig, after = call.fault
-        original = session.stream
-
-        def faulting(*args: Any, **kwargs: Any):
-            for i, item in enumerate(original(*args, **kwargs)):
-                if i == after:
-                    os.kill(os.getpid(), signal.Signals(sig))  # SIGSTOP: resumes here on SIGCONT
-                yield item
-
-        session.stream = faulting
-    t0 = time.monotonic()
-    try:
-        if not call.assignment.export:
-            session.push()
-            return ("call", rank, call.name, "skipped", time.monotonic() - t0, {})
-        metrics = session.push()
-        written = {} if metrics is None else {(t.engine, t.rank): n for t, n in metrics.bytes_per_target.items()}
-        return ("call", rank, call.name, "ok", time.monotonic() - t0, written)
-    except Exception as exc:  # noqa: BLE001 - reported
-        return ("call", rank, call.name, f"{type(exc).__name__}: {exc}", time.monotonic() - t0, {})
-    finally:
-        if call.fault is not None:
-            del session.stream
+    with signalled_in_stream(session, call.fault):
+        t0 = time.monotonic()
+        try:
+            if not call.assignment.export:
+                session.push()
+                return ("call", rank, call.name, "skipped", time.monotonic() - t0, {})
+            metrics = session.push()
+            written = {} if metrics is None else {(t.engine, t.rank): n for t, n in metrics.bytes_per_target.items()}
+            return ("call", rank, call.name, "ok", time.monotonic() - t0, written)
+        except Exception as exc:  # noqa: BLE001 - reported
+            return ("call", rank, call.name, f"{type(exc).__name__}: {exc}", time.monotonic() - t0, {})

@@ -11,8 +11,10 @@ to a paused server until it resumes, and one_step_off's next batch waits for all
 replica is re-pushed at once, inside the same `update_weights` call. A sync that failed before anything was
 written, every replica resumed with the version it held, is retried by the next step's sync instead: the run
 goes on one version behind, and the metrics say so. The first sync of a run is never deferred (the rollout
-still holds its launch checkpoint, and the weights checker's first compare needs it). A trainer rank that died
-or missed its deadline stops the run at once: verl's next training call would fail on it or queue behind it.
+still holds its launch checkpoint, and the weights checker's first compare needs it). A failed sync naming a
+trainer rank that died or missed its deadline stops the run at once: verl's next training call would fail on it or
+queue behind it. (Where a data-parallel copy re-pushed that rank's targets, the sync succeeded and nothing
+reaches this policy: the job learns of the dead rank from verl's next call to it.)
 """
 
 from __future__ import annotations

@@ -218,3 +218,31 @@ def test_engine_path_survivors_stop_waiting_at_the_push_deadline(kind):
             if p.is_alive():
                 p.kill()
             p.join(timeout=10)
+
+
+def test_a_late_calls_outcome_is_taken_and_logged_when_it_comes(cluster, caplog):
+    """A call past its deadline is a LateError for the sync; its outcome, when it comes, is taken and logged on
+    one line (left untaken, Ray prints it as an "Unhandled error" traceback that reads like a second failure)."""
+    import asyncio
+    import logging
+
+    from verl_p2p.backend.waiting import wait_each
+    from verl_p2p.errors import LateError
+
+    @ray.remote(num_cpus=0)
+    class SlowRank:
+        def fail_after(self, seconds: float) -> None:
+            time.sleep(seconds)
+            raise ValueError("export failed after the deadline")
+
+    rank = SlowRank.remote()
+    ray.get(rank.__ray_ready__.remote(), timeout=120)
+    with caplog.at_level(logging.INFO, logger="verl_p2p.backend.waiting"):
+        (outcome,) = asyncio.run(wait_each([rank.fail_after.remote(2.0)], 0.2))
+        assert isinstance(outcome, LateError) and "trainer rank 0 did not answer within 0.2 s" in str(outcome)
+        end = time.monotonic() + 60
+        while "after its deadline" not in caplog.text and time.monotonic() < end:
+            time.sleep(0.1)
+    expected = "trainer rank 0 failed after its deadline: ValueError: export failed after the deadline"
+    assert expected in caplog.text and "Unhandled error" not in caplog.text, caplog.text
+    ray.kill(rank)

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from verl_p2p.errors import LateError, error_chain, first_line
+
+logger = logging.getLogger(__name__)
 
 
 def trainer_rank(index: int) -> str:
@@ -90,12 +93,29 @@ def _wait_refs(refs: list[Any], deadline_s: float, wanted: list[int], who: Calla
     for i, ref in enumerate(refs):
         if ref.hex() not in ready_ids:
             out.append(_late(who(i), deadline_s))
+            _settle_late(ref, who(i))
             continue
         try:
             out.append(ray.get(ref))
         except Exception as exc:  # noqa: BLE001 - each call's outcome is reported
             out.append(exc)
     return out
+
+
+def _settle_late(ref: Any, name: str) -> None:
+    """Take a late call's outcome when it comes, and log it on one line: a result nobody takes, Ray prints as an
+    "Unhandled error" traceback in the driver's log, which reads like a second failure."""
+
+    def taken(future: Any) -> None:
+        try:
+            future.result()
+        except Exception as exc:  # noqa: BLE001 - reported, never raised: the sync has moved on
+            cause = getattr(exc, "cause", None) or exc  # Ray's task error wraps the rank's own
+            logger.warning("p2p: %s failed after its deadline: %s: %s", name, type(cause).__name__, first_line(cause))
+        else:
+            logger.info("p2p: %s answered after its deadline", name)
+
+    ref.future().add_done_callback(taken)
 
 
 def _late(name: str, deadline_s: float) -> LateError:

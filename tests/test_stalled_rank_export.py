@@ -261,7 +261,11 @@ def test_megatron_dp_copy_re_pushes_around_a_rank_killed_or_stopped_mid_export(f
             stopped = time.monotonic() - sent
             ranks.signal(victim, signal.SIGCONT)
             late = ranks.collect("sync2", (victim, peer), GROUP_TIMEOUT_S)
-            assert all(o == "ok" for o, *_ in late.values()), late  # the stop ended before the group timeout
+            assert late[peer][0] == "ok", late  # the stop ended before the group timeout: the gathers completed
+            # the victim finishes its stream too; a write it had in flight when stopped may have outlived
+            # p2p_transfer_timeout meanwhile (a loaded host stops it longer): then that write fails, naming its target
+            outcome = late[victim][0]
+            assert outcome == "ok" or (outcome.startswith("TransferError") and "unknown" in outcome), late
             assert late[peer][1] > DEADLINE_S - 1, late  # it waited for the victim past p2p's deadline
             skipped = ranks.collect("repush", (victim, peer), 60)
             assert all(o == "skipped" for o, *_ in skipped.values()), skipped
@@ -318,7 +322,9 @@ def test_fsdp_refuses_a_re_push_around_a_rank_killed_or_stopped_mid_stream(fault
             stopped = time.monotonic() - sent
             ranks.signal(victim, signal.SIGCONT)
             late = ranks.collect("sync2", (survivor, victim), GROUP_TIMEOUT_S)
-            assert all(o == "ok" for o, *_ in late.values()), late
+            assert late[survivor][0] == "ok", late
+            outcome = late[victim][0]  # a write in flight while it was stopped may have outlived the transfer timeout
+            assert outcome == "ok" or (outcome.startswith("TransferError") and "unknown" in outcome), late
             assert late[survivor][1] > DEADLINE_S - 1, late  # it waited for the victim past p2p's deadline
             third = _full_sync(ranks, rollout, "sync3", 3)
             report.update(stopped_s=round(stopped, 2), late_s={r: round(v[1], 2) for r, v in late.items()})

@@ -110,8 +110,7 @@ def _settle_late(ref: Any, name: str) -> None:
         try:
             future.result()
         except Exception as exc:  # noqa: BLE001 - reported, never raised: the sync has moved on
-            cause = getattr(exc, "cause", None) or exc  # Ray's task error wraps the rank's own
-            logger.warning("p2p: %s failed after its deadline: %s: %s", name, type(cause).__name__, first_line(cause))
+            logger.warning("p2p: %s failed after its deadline: %s", name, describe(exc))
         else:
             logger.info("p2p: %s answered after its deadline", name)
 

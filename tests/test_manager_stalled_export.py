@@ -32,7 +32,7 @@ from typing import Any
 
 import pytest
 import ray
-from support.deadline_ranks import RayActorGroupStandIn
+from support.deadline_ranks import RayActorGroupStandIn, start_rank
 from support.fake_sglang import FakeSGLang, free_port
 from support.manager_export_ranks import ExportRankWorker
 from support.stalled_export import Trainer, p2p_options
@@ -106,8 +106,7 @@ def world(cluster, model_dir, tmp_path_factory):  # noqa: F811 - the imported fi
 
     trainer = Trainer("megatron", WORLD, free_port(), str(model_dir), DEADLINE_S, GROUP_TIMEOUT_S)
     options = {**p2p_options(trainer), "p2p_push_retries": 1, "p2p_prepare_deadline_s": 120.0, "http_timeout": 10}
-    remote = ray.remote(ExportRankWorker)
-    actors = [remote.options(num_cpus=1, max_concurrency=1).remote(r, trainer, options) for r in range(WORLD)]
+    actors = [start_rank(ExportRankWorker, r, trainer, options) for r in range(WORLD)]
     servers: list[FakeSGLang] = []
     rollout = manager = None
     pids: list[int] = []

@@ -71,9 +71,8 @@ def cluster():
 @pytest.fixture(scope="module")
 def healthy_ranks(cluster):
     """The ranks other than the victim, started once for the module: each test gives them a new engine (`reset`)."""
-    remote = ray.remote(deadline_ranks.TrainerRankActor)
     actors = {
-        r: remote.options(num_cpus=1, max_concurrency=1).remote(r, WORLD, OPTIONS, None)
+        r: deadline_ranks.start_rank(deadline_ranks.TrainerRankActor, r, WORLD, OPTIONS, None)
         for r in range(WORLD)
         if r != VICTIM
     }
@@ -88,8 +87,7 @@ def world(healthy_ranks, request):
     """The victim in a new process each test (it dies or hangs), the healthy ranks reset, the servers new."""
     fault, retries = request.param
     options = {**OPTIONS, "p2p_push_retries": retries}
-    remote = ray.remote(deadline_ranks.TrainerRankActor)
-    victim = remote.options(num_cpus=1, max_concurrency=1).remote(VICTIM, WORLD, options, fault)
+    victim = deadline_ranks.start_rank(deadline_ranks.TrainerRankActor, VICTIM, WORLD, options, fault)
     resets = [actor.reset.remote(options) for actor in healthy_ranks.values()]
     ray.get([victim.ready.remote(), *resets], timeout=300)
     actors = [victim if r == VICTIM else healthy_ranks[r] for r in range(WORLD)]

@@ -19,7 +19,7 @@ import pytest
 import ray
 from omegaconf import OmegaConf
 from support import flaky_ranks
-from support.deadline_ranks import RayActorGroupStandIn
+from support.deadline_ranks import RayActorGroupStandIn, start_rank
 from support.fake_sglang import FakeSGLang
 from test_manager import ReplicaStandIn
 from test_push_deadline import cluster  # noqa: F401 - the local Ray cluster fixture
@@ -44,8 +44,7 @@ M = "checkpoint_engine/p2p/"
 @pytest.fixture(scope="module")
 def ranks(cluster):  # noqa: F811 - the fixture imported above
     """The trainer-rank actors, started once for the module: each test gives them a new engine (`reset`)."""
-    remote = ray.remote(flaky_ranks.FlakyRankActor)
-    actors = [remote.options(num_cpus=1, max_concurrency=1).remote(r, WORLD, OPTIONS) for r in range(WORLD)]
+    actors = [start_rank(flaky_ranks.FlakyRankActor, r, WORLD, OPTIONS) for r in range(WORLD)]
     ray.get([actor.ready.remote() for actor in actors], timeout=300)
     yield actors
     for actor in actors:

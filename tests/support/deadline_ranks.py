@@ -102,6 +102,13 @@ class TrainerRankActor:
         return await self.engine.send_weights(None, global_steps=global_steps)
 
 
+def start_rank(actor_class: type, *args: Any) -> Any:
+    """One trainer rank as a Ray actor of `actor_class`: one CPU and one call at a time, as verl's worker actors."""
+    import ray
+
+    return ray.remote(actor_class).options(num_cpus=1, max_concurrency=1).remote(*args)
+
+
 class RayActorGroupStandIn:
     """Stand-in for verl's actor RayWorkerGroup (see the module docstring)."""
 

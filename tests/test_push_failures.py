@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import signal
 import threading
 import time
@@ -171,6 +172,9 @@ def test_killed_target_fails_push_others_complete(model, receivers, transport):
     hooked, msg, end = _fails_mid_write(model, receivers, transport, "kill")
     assert hooked.acted < hooked.returned and hooked.failed is True  # the in-flight call failed: killed mid-write
     assert "timed out" not in msg  # a dead peer fails on the transport's error, not by waiting out the deadline
+    # the transport's message gives the call's duration beside its timeout: a reader can tell a dead peer (a
+    # quick failure) from a call that outlived the timeout (a frozen peer, or this writer stopped past it)
+    assert re.search(r"returned after \d+\.\d s \(transfer timeout \d+ s\)", msg), msg
     replace_victim(receivers)
 
 

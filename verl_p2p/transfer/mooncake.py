@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -131,11 +132,12 @@ class MooncakeTransport:
     ) -> None:
         if not lengths:
             return
+        started = time.monotonic()
         rc = self._engine.batch_transfer_sync_write(session_id, list(local_addrs), list(remote_addrs), list(lengths))
         check_rc(
             rc,
             f"Mooncake batch write of {len(lengths)} ranges ({sum(lengths)} bytes) to session {session_id}",
-            "the peer is gone, frozen or unreachable",
+            self._failed_call_hint(time.monotonic() - started),
         )
 
     def read(
@@ -144,11 +146,21 @@ class MooncakeTransport:
         """Read remote ranges into registered local memory (opens the session's segment and connection)."""
         if not lengths:
             return
+        started = time.monotonic()
         rc = self._engine.batch_transfer_sync_read(session_id, list(local_addrs), list(remote_addrs), list(lengths))
         check_rc(
             rc,
             f"Mooncake batch read of {len(lengths)} ranges ({sum(lengths)} bytes) from session {session_id}",
-            "the peer is gone, frozen or unreachable",
+            self._failed_call_hint(time.monotonic() - started),
+        )
+
+    def _failed_call_hint(self, elapsed_s: float) -> str:
+        """Why a call failed, with its duration beside the engine's timeout: a call that outlived the timeout
+        failed on it, which a frozen peer causes but so does this process being stopped (SIGSTOP, a debugger)."""
+        timeout = f"{self.transfer_timeout} s" if self.transfer_timeout else "Mooncake's default"
+        return (
+            f"it returned after {elapsed_s:.1f} s (transfer timeout {timeout}): the peer is gone, frozen or "
+            "unreachable, or, where the call outlived the timeout, this process itself was stopped past it"
         )
 
     def __repr__(self) -> str:

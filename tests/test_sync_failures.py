@@ -3,8 +3,9 @@
 Driven through verl 0.9.1's own one_step_off `_fit_update_weights` (SeparateRayPPOTrainer's, called from
 inside the running loop as `_fit_generate` calls it) on a bare trainer object holding only what it reads. v1
 separate_async's package imports `transfer_queue`, which this venv lacks: its `on_step_end` line,
-`dict(standalone_checkpoint_manager.update_weights(global_steps) or {})`, is called as written; fully_async's
-is `await checkpoint_manager.update_weights(global_steps=...)` from its event loop.
+`dict(standalone_checkpoint_manager.update_weights(global_steps) or {})`, is called as written. fully_async: verl's
+own `FullyAsyncTrainer._fit_update_weights` (the class under its Ray actor wrapper) on a bare trainer object, with
+a Ray actor standing in for its rollouter (the three calls the method makes of it).
 
 Real: the manager, the sync lifecycle, 2 trainer ranks as Ray actors (real P2PCheckpointEngine each).
 Stand-ins: the trainer ranks' sessions (tests/support/flaky_ranks.py), the SGLang servers
@@ -14,6 +15,7 @@ Stand-ins: the trainer ranks' sessions (tests/support/flaky_ranks.py), the SGLan
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 import ray
@@ -23,6 +25,7 @@ from support.deadline_ranks import RayActorGroupStandIn, start_rank
 from support.fake_sglang import FakeSGLang
 from test_manager import ReplicaStandIn
 from test_push_deadline import cluster  # noqa: F401 - the local Ray cluster fixture
+from verl.experimental.fully_async_policy.fully_async_trainer import FullyAsyncTrainer
 from verl.experimental.one_step_off_policy.ray_trainer import OneStepOffRayTrainer
 from verl.workers.config import CheckpointEngineConfig
 
@@ -91,6 +94,45 @@ def fit_update_weights(trainer: OneStepOffRayTrainer, step: int) -> dict:
 def step_end(manager, step: int) -> dict:
     """v1 separate_async's `on_step_end` sync line, as written there (its metrics are the step's sync metrics)."""
     return dict(manager.update_weights(step) or {})
+
+
+@ray.remote(num_cpus=0)
+class RollouterStandIn:
+    """What fully_async's `_fit_update_weights` asks of its rollouter actor (counts, then the staleness reset)."""
+
+    def get_total_produced_samples(self) -> int:
+        return 0
+
+    def get_completed_steps(self) -> int:
+        return 0
+
+    def reset_staleness(self) -> dict:
+        return {}
+
+
+class LoggerStandIn:
+    def log(self, data, step) -> None:
+        pass
+
+
+def fully_async(manager, rollouter) -> FullyAsyncTrainer:
+    """verl's fully_async trainer object, bare (the class under its Ray actor wrapper): what its
+    `_fit_update_weights` reads, nothing else; no dynamic schedule, no profiler steps."""
+    cls = FullyAsyncTrainer.__ray_metadata__.modified_class
+    trainer = object.__new__(cls)
+    trainer.config = OmegaConf.create({"global_profiler": {"steps": None}})
+    trainer.checkpoint_manager, trainer.rollouter, trainer.logger = manager, rollouter, LoggerStandIn()
+    trainer.dynamic_schedule_ctx = SimpleNamespace(step_required_samples=1)
+    trainer.staleness_threshold, trainer.dynamic_schedule_enabled, trainer.only_hybrid = 0, False, False
+    trainer.timing_raw, trainer.local_trigger_step, trainer.current_param_version = {}, 1, 0
+    trainer._step_wait_times, trainer._step_wait_samples = [], []
+    return trainer
+
+
+def fully_async_update_weights(trainer, step: int) -> None:
+    """One sync as fully_async's loop awaits it: the trainer's own method on the current parameter version."""
+    trainer.current_param_version, trainer.local_trigger_step = step, 1
+    asyncio.run(type(trainer)._fit_update_weights(trainer))
 
 
 def calls_since(server: FakeSGLang, start: int) -> list[str]:
@@ -163,15 +205,14 @@ def test_fully_async_a_sync_that_keeps_failing_stops_the_run_and_never_resumes_t
     """Rank 1's push fails every time from step 1 on: its engine stays paused through all three syncs of the
     call (never continue_generation), and the third failure stops the run with the named error."""
     manager, servers, actors = world
+    trainer = fully_async(manager, RollouterStandIn.remote())
 
-    async def fit_update_weights(step: int) -> dict:  # fully_async's own line
-        return await manager.update_weights(global_steps=step)
-
-    asyncio.run(fit_update_weights(0))
+    fully_async_update_weights(trainer, 0)
+    assert "timing_s/param_sync" in trainer.timing_raw  # verl's own method ran the sync under its timer
     engines = {t.engine for t in ray.get(actors[1].written.remote())[0]}
     before = [len(s.lifecycle_calls()) for s in servers]
     with pytest.raises(SyncError) as info:
-        asyncio.run(fit_update_weights(1))
+        fully_async_update_weights(trainer, 1)
     error, text = info.value, str(info.value)
     assert "3 weight syncs failed in a row (p2p_max_consecutive_failures=3): the run stops" in text, text
     assert "failed at push" in text and "trainer rank 1" in text and "Replicas still paused" in text, text

@@ -227,7 +227,7 @@ class DepthRun:
 
 
 def e2e_args(
-    args: argparse.Namespace, size_key: str, quant: str, workdir: Path, mem_fraction: float
+    args: argparse.Namespace, size_key: str, quant: str, workdir: Path, mem_fraction: float | None
 ) -> argparse.Namespace:
     """The namespace `verl-p2p e2e` would parse for this depth: one model, the kill drill only (its recovery sync
     is the first after a trainer restart), `--raw-syncs` raw-replay syncs."""
@@ -270,7 +270,7 @@ async def _harness_run(ns: argparse.Namespace, workdir: Path, gpu: bool) -> tupl
         harness.stop()
 
 
-def run_depth(args: argparse.Namespace, depth: int, quant: str, mem_fraction: float) -> DepthRun:
+def run_depth(args: argparse.Namespace, depth: int, quant: str, mem_fraction: float | None) -> DepthRun:
     """One harness at `depth`: its size is registered in the e2e's SIZES under a key of its own."""
     from verl_p2p.e2e import run as e2e
 
@@ -457,7 +457,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--syncs", type=int, default=4, help="plain syncs per depth (the first is checked)")
     p.add_argument("--raw-syncs", type=int, default=3, help="raw-replay syncs per depth (their median is reported)")
     p.add_argument("--bucket-mb", type=int, default=512, help="transfer slot size (two slots per source)")
-    p.add_argument("--mem-fraction", type=float, default=None, help="SGLang mem_fraction_static (default: computed)")
+    p.add_argument("--mem-fraction", type=float, default=None, help="SGLang mem_fraction_static (default: by GPU)")
     p.add_argument("--transfer-timeout", type=float, default=120.0)
     p.add_argument("--http-timeout", type=float, default=120.0)
     p.add_argument("--bootstrap-port", type=int, default=26789)
@@ -575,18 +575,26 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if report["passed"] else 1
 
 
-def _mem_fraction(args: argparse.Namespace, cfg: dict, quant: str) -> float:
-    """The SGLang mem_fraction_static admitting both servers of this depth on one GPU (real SGLang), else the e2e's
-    default; a depth that does not fit is refused with the arithmetic before anything is written."""
-    if args.mem_fraction is not None:
-        return args.mem_fraction
-    if args.rollout != "sglang":
-        return 0.12
-    from verl_p2p.e2e.real_sizes import budget_of, disk_budget
+def _mem_fraction(args: argparse.Namespace, cfg: dict, quant: str) -> float | None:
+    """`--mem-fraction`, else (real SGLang) the one admitting both servers of this depth on the GPU at hand
+    (`e2e/mem_fraction.py`), None for the loopback; a depth that does not fit there, or whose checkpoints do not
+    fit on the disk, is refused with the arithmetic before anything is written."""
+    from verl_p2p.e2e.mem_fraction import MemFractionError, mem_fraction_for
+    from verl_p2p.e2e.real_sizes import disk_budget
 
-    budget = budget_of(cfg, quant, slot_bytes=2 * (args.bucket_mb << 20))
-    if not budget.fits:
-        raise SystemExit(f"{cfg['num_hidden_layers']} layers {quant}: does not fit on one GPU: {budget.why}")
+    try:
+        fraction = mem_fraction_for(
+            [cfg],
+            rollout=args.rollout,
+            explicit=args.mem_fraction,
+            quant=quant,
+            slot_bytes=2 * (args.bucket_mb << 20),
+            what=f"{cfg['num_hidden_layers']} layers {quant}",
+        )
+    except MemFractionError as exc:
+        raise SystemExit(str(exc)) from exc
+    if fraction.value is None or fraction.source == "--mem-fraction":
+        return fraction.value
     written = disk_budget(cfg, quant).checkpoint_bytes
     free = shutil.disk_usage(args.workdir or tempfile.gettempdir()).free
     if written > free:
@@ -595,7 +603,7 @@ def _mem_fraction(args: argparse.Namespace, cfg: dict, quant: str) -> float:
             f"{args.workdir or tempfile.gettempdir()} has {free / 2**30:.1f} GiB free; pass --workdir on a larger "
             "disk (or /dev/shm when the host memory holds them)"
         )
-    return budget.mem_fraction
+    return fraction.value
 
 
 if __name__ == "__main__":

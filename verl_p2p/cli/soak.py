@@ -76,7 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
     real.add_argument(
         "--generate-every", type=int, default=1, help="compare generations every N-th sync (and around faults)"
     )
-    real.add_argument("--mem-fraction", type=float, default=0.12, help="SGLang --mem-fraction-static")
+    real.add_argument(
+        "--mem-fraction",
+        type=float,
+        default=None,
+        help="SGLang --mem-fraction-static (default: computed from the GPU and the model's bytes; loopback ignores it)",
+    )
     real.add_argument(
         "--workdir",
         default=None,
@@ -147,6 +152,7 @@ def _leak_limits(args: argparse.Namespace, parser: argparse.ArgumentParser) -> L
 
 def _main_real(args: argparse.Namespace, command: str, limits: LeakLimits) -> int:
     """`--rollout`: the trainer-process soak into one rollout server (verl_p2p/e2e/soak.py)."""
+    from verl_p2p.e2e.mem_fraction import MemFractionError
     from verl_p2p.e2e.soak import RealSoakOptions, run_real_soak
 
     options = RealSoakOptions(
@@ -168,7 +174,11 @@ def _main_real(args: argparse.Namespace, command: str, limits: LeakLimits) -> in
         command=command,
         leak_limits=limits,
     )
-    report = run_real_soak(options)
+    try:
+        report = run_real_soak(options)
+    except MemFractionError as exc:  # before any checkpoint or server: the numbers and the ways out
+        print(f"[soak] {exc}", file=sys.stderr)
+        return 2
     print(
         f"[soak] {report['rollout']}: {report['syncs']} syncs in {report['seconds_total']} s: {report['passed']} "
         f"passed, {report['failed']} failed; faults {report['faults_as_predicted']}/{report['faults_injected']} as "

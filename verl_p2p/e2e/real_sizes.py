@@ -5,19 +5,21 @@ is chosen here. `REAL_SIZES` has the form of `verl_p2p.e2e.run.SIZES` entries (o
 config of an arch), so `--size real` runs the models p2p exists for at their real widths.
 
 `one_gpu_budget` answers "does this run fit on one GPU" with the e2e's own residents (the trainer's model and the
-initial copy it keeps to set weight sets, the rollout under test, the fresh reference server) and SGLang 0.5.21's
-KV rule: a server's static budget is `mem_fraction_static` times the memory free when it starts, and its weights
-must fit inside that budget with room for a KV pool. A run is refused here, with the arithmetic, before anything
-is written or launched.
+initial copy it keeps to set weight sets, the rollout under test, the fresh reference server) and SGLang's KV rule
+(the same in 0.5.12, 0.5.21 and 0.5.23, `sglang_kv_room`): a server's KV pool gets what `mem_fraction_static` of the
+memory free when it starts leaves after its weights, capped by the e2e's `--max-total-tokens`. So a running server
+holds its weights and that capped pool, not its whole fraction. A run is refused here, with the arithmetic, before
+anything is written or launched; `verl_p2p/e2e/mem_fraction.py` asks it for the fraction of the GPU at hand.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from verl_p2p.e2e.rollouts import MAX_TOTAL_TOKENS
 from verl_p2p.planning.hf_names import hf_tensor_specs
 from verl_p2p.planning.model_cards import model_card
 
@@ -78,6 +80,19 @@ class SyncBytes:
     bf16_bytes: int
     fp8_tensors: int  # weights plus one scale tensor per quantized weight
     fp8_bytes: int
+    kv_token_bytes: int  # one token of a TP1 server's bf16 KV pool (`kv_token_bytes`)
+
+
+def kv_token_bytes(cfg: Mapping[str, Any]) -> int:
+    """SGLang's cell size for a TP1 server with a bf16 KV cache (`pool_configurator.py`): K and V of every layer's
+    KV heads, or with MLA (`kv_lora_rank`) the compressed latent and the rope key. It counts every layer, so for a
+    hybrid model it is an upper bound."""
+    layers = int(cfg["num_hidden_layers"])
+    if cfg.get("kv_lora_rank"):
+        return (int(cfg["kv_lora_rank"]) + int(cfg["qk_rope_head_dim"])) * layers * 2
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    return int(kv_heads) * 2 * int(head_dim) * layers * 2
 
 
 def sync_bytes(cfg: Mapping[str, Any]) -> SyncBytes:
@@ -96,25 +111,37 @@ def sync_bytes(cfg: Mapping[str, Any]) -> SyncBytes:
         bf16_bytes=sum(_numel(s) * d.itemsize for s, d in specs.values()),
         fp8_tensors=len(fp8_specs),
         fp8_bytes=sum(_numel(s) * d.itemsize for s, d in fp8_specs.values()),
+        kv_token_bytes=kv_token_bytes(cfg),
     )
+
+
+def sglang_kv_room(free_before_load: float, free_after_load: float, mem_fraction: float) -> float:
+    """SGLang's room for a server's KV pool (0.5.12 `model_runner_kv_cache_mixin._profile_available_bytes`, 0.5.21
+    and 0.5.23 `kv_cache_configurator.py`): what is free after its weights loaded less the part of what was free
+    before that `mem_fraction_static` leaves to others. At or below zero the server refuses to start ("Not enough
+    memory"); above it the pool is this room or the `--max-total-tokens` cap, whichever is smaller."""
+    return free_after_load - free_before_load * (1 - mem_fraction)
 
 
 @dataclass(frozen=True)
 class GpuBudget:
-    """One e2e run on one GPU: who holds what, and whether SGLang's KV rule admits both servers.
+    """One e2e run on one GPU: who holds what, and whether SGLang's KV rule admits every server.
 
     The trainer holds its bf16 model twice (the parameters and the initial copy `e2e/trainer.py` scales into
     weight sets) plus two transfer slots; it loads before the servers measure free memory (worst case of the
-    e2e's concurrent start). A server gets `mem_fraction * free_at_start`: weights, then a KV pool of at least
-    `kv_min_bytes`. The fresh server starts while the one under test runs, so it sees less free memory."""
+    e2e's concurrent start). A server needs `sglang_kv_room` >= its KV pool (the e2e's token cap), and once up it
+    holds its weights, that pool and a process context: the last server to start (the fresh one, beside the one
+    under test and every other model's) sees the least free memory, so it sets the fraction."""
 
     gpu_bytes: int
     trainer_bytes: int
-    server_weight_bytes: int
-    kv_min_bytes: int
-    context_bytes: int  # CUDA context, NCCL, cuBLAS workspaces, activations of one process
+    server_weight_bytes: int  # the largest server's
+    kv_min_bytes: int  # its KV pool
+    context_bytes: int  # CUDA context, NCCL, cuBLAS workspaces, CUDA graphs, activations of one process
     fresh_server: bool
-    mem_fraction: float | None  # the one that admits every server, None when none does
+    servers: int  # SGLang servers up at once
+    free_last_bytes: int  # what the last server to start finds free
+    mem_fraction: float | None  # the smallest that admits every server, None when none does
     fits: bool
     why: str
 
@@ -123,69 +150,85 @@ class GpuBudget:
 
 
 def one_gpu_budget(
-    trainer_model_bytes: int,
-    server_weight_bytes: int,
+    trainer_model_bytes: int | Sequence[int],
+    server_weight_bytes: int | Sequence[int],
     *,
     fresh_server: bool = True,
     gpu_bytes: int = H200_BYTES,
     slot_bytes: int = 2 * 512 * (1 << 20),
-    kv_min_bytes: int = 2 * GIB,
+    kv_min_bytes: int | Sequence[int] = 2 * GIB,
     context_bytes: int = 3 * GIB,
     trainer_copies: int = 2,
 ) -> GpuBudget:
-    """Whether the trainer, the rollout under test and (`fresh_server`) a fresh server fit, under SGLang 0.5.21's
-    rule (`kv_cache_configurator.py`: rest = free_after_load - free_before_load * (1 - mem_fraction_static)).
-    `trainer_copies`: 2 for the e2e's trainer (parameters + the initial copy), 1 for one holding its model once."""
-    trainer = trainer_copies * trainer_model_bytes + slot_bytes + context_bytes
-    free1 = gpu_bytes - trainer - context_bytes
-    need = server_weight_bytes + kv_min_bytes
-    chosen, why = None, ""
-    # one mem_fraction for every server (the e2e passes one); scan it in steps of 0.01 up to SGLang's sane range
-    for step in range(5, 96):
-        mf = step / 100
-        if mf * free1 < need:
-            continue
-        if fresh_server:
-            free2 = free1 - mf * free1 - context_bytes
-            if mf * free2 < need:
-                continue
-        chosen = mf
-        break
+    """Whether the trainer, the rollout under test and (`fresh_server`) a fresh server fit, under SGLang's rule
+    (`sglang_kv_room`). A sequence in the first two (and `kv_min_bytes`) is one entry per model, for models whose
+    harnesses share the GPU (the e2e starts them all at once). `kv_min_bytes`: each server's KV pool (the e2e caps
+    it; `budget_of` computes it). `trainer_copies`: 2 for the e2e's trainer (parameters + the initial copy), 1 for
+    one holding its model once."""
+    models = _per_model(trainer_model_bytes)
+    weights = _per_model(server_weight_bytes, len(models))
+    kvs = _per_model(kv_min_bytes, len(models))
+    if not len(models) == len(weights) == len(kvs):
+        raise ValueError("one_gpu_budget: give one trainer, server and KV figure per model")
+    trainer = sum(trainer_copies * m + slot_bytes + context_bytes for m in models)
+    servers = [(w, kv) for w, kv in zip(weights, kvs, strict=True) for _ in range(2 if fresh_server else 1)]
+    last_w, last_kv = max(servers, key=sum)  # the largest starts last: it sees every other server up
+    beside = sum(w + kv + context_bytes for w, kv in servers) - (last_w + last_kv + context_bytes)
+    free_last = gpu_bytes - trainer - beside - context_bytes
+    chosen = None
+    for step in range(5, 96):  # one mem_fraction for every server (the e2e passes one), up to SGLang's sane range
+        if sglang_kv_room(free_last, free_last - last_w, step / 100) >= last_kv:
+            chosen = step / 100
+            break
+    need = last_w + last_kv
     if chosen is not None:
-        why = f"mem_fraction {chosen:.2f} admits {'both servers' if fresh_server else 'the server'}"
-    elif free1 < need:
+        why = f"mem_fraction {chosen:.2f} admits {'every server' if len(servers) > 1 else 'the server'}"
+    elif free_last < need:
         why = (
-            f"after the trainer ({trainer / GIB:.1f} GiB) only {free1 / GIB:.1f} GiB are free, less than one "
-            f"server's weights + KV ({need / GIB:.1f} GiB)"
+            f"after the trainer ({trainer / GIB:.1f} GiB) and {len(servers) - 1} other server(s) "
+            f"({beside / GIB:.1f} GiB) only {free_last / GIB:.1f} GiB are free, less than one server's weights + KV "
+            f"pool ({need / GIB:.1f} GiB)"
         )
     else:
         why = (
-            f"no single mem_fraction admits both servers: the fresh one sees what the first left "
-            f"(needs mem_fraction*(1-mem_fraction)*{free1 / GIB:.1f} GiB >= {need / GIB:.1f} GiB)"
+            f"the last server to start finds {free_last / GIB:.1f} GiB free beside the trainer ({trainer / GIB:.1f} "
+            f"GiB) and {len(servers) - 1} other server(s) ({beside / GIB:.1f} GiB): its weights ({last_w / GIB:.1f} "
+            f"GiB) + KV pool ({last_kv / GIB:.1f} GiB) need a mem_fraction of {need / free_last:.2f}, above 0.95"
         )
     return GpuBudget(
         gpu_bytes,
         trainer,
-        server_weight_bytes,
-        kv_min_bytes,
+        last_w,
+        last_kv,
         context_bytes,
         fresh_server,
+        len(servers),
+        free_last,
         chosen,
         chosen is not None,
         why,
     )
 
 
+def _per_model(value: int | Sequence[int], n: int = 1) -> list[int]:
+    return [int(value)] * n if isinstance(value, int | float) else [int(v) for v in value]
+
+
 def budget_of(
-    cfg: Mapping[str, Any] | SyncBytes, rollout_quant: str, fresh_server: bool = True, **kwargs: Any
+    cfg: Mapping[str, Any] | SyncBytes | Sequence[Mapping[str, Any] | SyncBytes],
+    rollout_quant: str,
+    fresh_server: bool = True,
+    **kwargs: Any,
 ) -> GpuBudget:
-    """`one_gpu_budget` of a config (or its `sync_bytes`): a bf16 trainer and a `rollout_quant` ("bf16" or "fp8")
-    rollout."""
+    """`one_gpu_budget` of a config (or its `sync_bytes`, or a list of them: models sharing the GPU): a bf16 trainer
+    and a `rollout_quant` ("bf16" or "fp8") rollout whose KV pool is the e2e's `MAX_TOTAL_TOKENS` cap."""
     if rollout_quant not in ("bf16", "fp8"):
         raise ValueError(f"rollout_quant={rollout_quant!r}: choose 'bf16' or 'fp8'")
-    sb = cfg if isinstance(cfg, SyncBytes) else sync_bytes(cfg)
-    served = sb.bf16_bytes if rollout_quant == "bf16" else sb.fp8_bytes
-    return one_gpu_budget(sb.bf16_bytes, served, fresh_server=fresh_server, **kwargs)
+    many = cfg if isinstance(cfg, list | tuple) else [cfg]
+    sbs = [c if isinstance(c, SyncBytes) else sync_bytes(c) for c in many]
+    served = [sb.bf16_bytes if rollout_quant == "bf16" else sb.fp8_bytes for sb in sbs]
+    kwargs.setdefault("kv_min_bytes", [MAX_TOTAL_TOKENS * sb.kv_token_bytes for sb in sbs])
+    return one_gpu_budget([sb.bf16_bytes for sb in sbs], served, fresh_server=fresh_server, **kwargs)
 
 
 DISK_BYTES = 64 * GIB  # the H200 machine's disk
@@ -239,7 +282,7 @@ def qwen3_sync_bytes(layers: int) -> SyncBytes:
     if layers <= 2:
         return sync_bytes(qwen3_30b_a3b(layers))
     one, two = qwen3_sync_bytes(1), qwen3_sync_bytes(2)
-    fields = ("tensors", "bf16_bytes", "fp8_tensors", "fp8_bytes")
+    fields = ("tensors", "bf16_bytes", "fp8_tensors", "fp8_bytes", "kv_token_bytes")
     grown = {f: getattr(one, f) + (layers - 1) * (getattr(two, f) - getattr(one, f)) for f in fields}
     return SyncBytes(layers=layers, **grown)
 

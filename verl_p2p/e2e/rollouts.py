@@ -24,10 +24,12 @@ CONF = Path(__file__).resolve().parents[2] / "conf" / "p2p" / "default.yaml"
 # What the H200 image's SGLang 0.5.12 set runs with (FlashAttention-3 / FlashMLA are not part of it), and no
 # tokenizer: requests carry token ids. A small KV pool: from 0.5.21 SGLang sizes it from the GPU memory still free
 # after its weights load, and refuses to start when that fell below its share, which is what another server's pool
-# allocated meanwhile does on a shared GPU (the e2e starts every server at once).
+# allocated meanwhile does on a shared GPU (the e2e starts every server at once). The cap is also what a server
+# holds for KV whatever its mem fraction, which `real_sizes.one_gpu_budget` counts on.
+MAX_TOTAL_TOKENS = 65536
 SGLANG_GPU_FLAGS = (
     "--max-total-tokens",
-    "65536",
+    str(MAX_TOTAL_TOKENS),
     "--skip-tokenizer-init",
     "--attention-backend",
     "triton",
@@ -115,7 +117,7 @@ class SGLangServer:
         *,
         replica_rank: int = 0,
         base_bootstrap_port: int = 26789,
-        mem_fraction: float = 0.12,
+        mem_fraction: float,
         p2p_args: bool = True,
         extra_flags: tuple[str, ...] = (),
     ):

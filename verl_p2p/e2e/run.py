@@ -33,6 +33,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,7 @@ from verl_p2p.cli.help import parser as command_parser
 from verl_p2p.e2e.checks import Check, Expectation, IndistinctWeightSetsError, require_distinct_generations
 from verl_p2p.e2e.drills import Drills
 from verl_p2p.e2e.records import SyncRecord, pause_and_raw_figures, paused_seconds, summary_text
-from verl_p2p.e2e.sizes import SIZES
+from verl_p2p.e2e.sizes import SIZES, model_overrides
 
 # the names tests and scripts import from here
 _require_distinct_generations = require_distinct_generations
@@ -78,6 +79,8 @@ class Harness(Drills):
         from verl_p2p.e2e.rollouts import LoopbackRollout, SGLangServer
 
         cls = SGLangServer if self.args.rollout == "sglang" else LoopbackRollout
+        if cls is SGLangServer and self.args.mem_fraction is None:  # parse_args / e2e_mem_fraction resolve it
+            raise ValueError("a real SGLang server needs a mem fraction: resolve it with mem_fraction.e2e_mem_fraction")
         return cls(
             name,
             model_dir,
@@ -112,9 +115,7 @@ class Harness(Drills):
 
         args = self.args
         self.dtype = "bfloat16" if args.rollout == "sglang" or args.fp8 else "float32"  # SGLang's FP8: bf16 rest
-        overrides = SIZES[args.size][self.arch]
-        if args.layers is not None:
-            overrides = {**overrides, "num_hidden_layers": args.layers}
+        overrides = model_overrides(args.size, self.arch, args.layers)
         t0 = time.perf_counter()
         self.checkpoint = write_tiny_checkpoint(
             self.workdir / "weights0",
@@ -459,7 +460,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="SGLang disaggregation bootstrap port base: rollout replica r listens on this + r",
     )
     parser.add_argument(
-        "--mem-fraction", type=float, default=0.12, help="SGLang --mem-fraction-static of each real server"
+        "--mem-fraction",
+        type=float,
+        default=None,
+        help="SGLang --mem-fraction-static of each real server (default: computed from the GPU and the models' "
+        "bytes, verl_p2p/e2e/mem_fraction.py; the loopback rollout ignores it)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the checkpoints' weights")
     parser.add_argument(
@@ -488,7 +493,13 @@ def harness_args(**fields: Any) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None, read_gpu_bytes: Callable[[], int] | None = None) -> argparse.Namespace:
+    """The e2e's options, checked and completed: defaults by rollout, and the mem fraction of its real servers
+    (`args.mem_fraction`, with `args.mem_fraction_record` for the report) from `read_gpu_bytes` (default: the GPU
+    at hand) unless `--mem-fraction` names one. Bad input and a run no fraction fits exit here, before anything is
+    written or launched."""
+    from verl_p2p.e2e.mem_fraction import MemFractionError, e2e_mem_fraction, gpu_bytes_at_hand
+
     parser = build_parser()
     args = parser.parse_args(argv)
     args.models = [m for m in args.models.split(",") if m]
@@ -503,6 +514,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.layers is not None and args.layers < 1:
         parser.error(f"--layers {args.layers}: a model needs at least one layer")
     args.device = args.device or ("cuda" if args.rollout == "sglang" else "cpu")
+    try:
+        fraction = e2e_mem_fraction(args, read_gpu_bytes or gpu_bytes_at_hand)
+    except MemFractionError as exc:
+        parser.error(str(exc))
+    args.mem_fraction, args.mem_fraction_record = fraction.value, fraction.to_dict()
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     if args.device == "cpu":
         from verl_p2p.sandbox.cpu_stubs import install_cpu_stubs
@@ -521,6 +542,7 @@ def main(argv: list[str] | None = None) -> int:
             "staging": args.staging,
             "executor": args.executor,
             "fp8": args.fp8,
+            "mem_fraction": args.mem_fraction_record,
             "seconds": round(time.perf_counter() - t0, 1),
             "passed": all(r.get("passed") for r in results.values()),
             "models": results,

@@ -51,3 +51,10 @@ SIZES["4b"] = {
 # "real": the widths p2p exists for (DeepSeek-V3 with a dense and a MoE layer, Qwen3-30B-A3B at the depth one H200
 # holds beside a fresh server); `real_sizes.py` has the shapes and the memory arithmetic behind the depth
 SIZES["real"] = REAL_SIZES
+
+
+def model_overrides(size: str, arch: str, layers: int | None = None) -> dict[str, Any]:
+    """The overrides of the sandbox's tiny config `arch` that `--size size` (and `--layers`) write a checkpoint at:
+    the one shape the harness writes and the mem-fraction arithmetic sizes."""
+    overrides = SIZES[size][arch]
+    return overrides if layers is None else {**overrides, "num_hidden_layers": layers}

@@ -62,7 +62,7 @@ class RealSoakOptions:
     probe_timeout: float = 2.0
     gpu_sample_every: int = 5
     generate_every: int = 1  # greedy generations compared every N-th sync, and always around a fault
-    mem_fraction: float = 0.12
+    mem_fraction: float | None = None  # None: computed from the GPU for real SGLang (e2e/mem_fraction.py)
     time_budget_s: float | None = None  # stop starting syncs after this long (the report says where it stopped)
     leak_limits: LeakLimits = field(default_factory=LeakLimits)  # growth after warm-up that fails the run
     workdir: str | None = None
@@ -139,6 +139,10 @@ class RealSoak:
             mem_fraction=options.mem_fraction,
             raw_syncs=0,  # no raw-replay figures: every sync is a plain one
         )  # the soak's rollout serves the trainer's own bf16 checkpoint (fp8 off, the e2e's default)
+        from verl_p2p.e2e.mem_fraction import e2e_mem_fraction
+
+        self.mem_fraction = e2e_mem_fraction(args)  # refuses a run that fits no fraction, before anything starts
+        args.mem_fraction = self.mem_fraction.value
         args.probe_timeout = options.probe_timeout  # the soak's own: how long the drills wait on a probe
         (workdir / options.model).mkdir(parents=True, exist_ok=True)
         self.harness = Harness(args, options.model, 0, workdir / options.model)
@@ -314,6 +318,7 @@ class RealSoak:
         return {
             "command": self.options.command,
             "rollout": self.options.rollout,
+            "mem_fraction": self.mem_fraction.to_dict(),
             "model": f"{self.options.model} ({self.options.size})",
             "syncs": self.options.syncs,
             "syncs_run": len(self.sync_seconds),

@@ -64,7 +64,7 @@ def as_size_overrides(cfg: Mapping[str, Any]) -> dict[str, Any]:
 
 
 # `--size real` for `verl_p2p.e2e.run.SIZES` (the lead wires it in): DeepSeek-V3's dense + MoE layer, and
-# Qwen3-30B-A3B at the depth one H200 holds with a bf16 rollout beside a fresh one (see `largest_depth`).
+# Qwen3-30B-A3B at the depth the H200 runs were planned at (one H200 holds more: see `largest_depth`).
 REAL_SIZES: dict[str, dict[str, Any]] = {
     "deepseek_v3": as_size_overrides(deepseek_v3()),
     "qwen3_moe": as_size_overrides(qwen3_30b_a3b(15)),

@@ -48,8 +48,8 @@ SIZES["4b"] = {
         tie_word_embeddings=True,
     )
 }
-# "real": the widths p2p exists for (DeepSeek-V3 with a dense and a MoE layer, Qwen3-30B-A3B at the depth one H200
-# holds beside a fresh server); `real_sizes.py` has the shapes and the memory arithmetic behind the depth
+# "real": the widths p2p exists for (DeepSeek-V3 with a dense and a MoE layer, Qwen3-30B-A3B at 15 layers, which one
+# H200 holds beside a fresh server); `real_sizes.py` has the shapes and the memory arithmetic behind the depth
 SIZES["real"] = REAL_SIZES
 
 

@@ -2,10 +2,11 @@
 
 Driven through verl 0.9.1's own one_step_off `_fit_update_weights` (SeparateRayPPOTrainer's, called from
 inside the running loop as `_fit_generate` calls it) on a bare trainer object holding only what it reads. v1
-separate_async's package imports `transfer_queue`, which this venv lacks: its `on_step_end` line,
-`dict(standalone_checkpoint_manager.update_weights(global_steps) or {})`, is called as written. fully_async: verl's
-own `FullyAsyncTrainer._fit_update_weights` (the class under its Ray actor wrapper) on a bare trainer object, with
-a Ray actor standing in for its rollouter (the three calls the method makes of it).
+v1 separate_async: verl's own `PPOTrainerSeparateAsync.on_step_end` on a bare trainer object (hybrid switching
+off); its module imports `transfer_queue`, which this venv cannot install, so a stand-in module holding the one name
+the import reads (`KVBatchMeta`, a type annotation; `on_step_end` never uses it) is put in `sys.modules` first.
+fully_async: verl's own `FullyAsyncTrainer._fit_update_weights` (the class under its Ray actor wrapper) on a bare
+trainer object, with a Ray actor standing in for its rollouter (the three calls the method makes of it).
 
 Real: the manager, the sync lifecycle, 2 trainer ranks as Ray actors (real P2PCheckpointEngine each).
 Stand-ins: the trainer ranks' sessions (tests/support/flaky_ranks.py), the SGLang servers
@@ -15,6 +16,8 @@ Stand-ins: the trainer ranks' sessions (tests/support/flaky_ranks.py), the SGLan
 from __future__ import annotations
 
 import asyncio
+import importlib.util
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -91,9 +94,31 @@ def fit_update_weights(trainer: OneStepOffRayTrainer, step: int) -> dict:
     return trainer.metrics
 
 
+def separate_async_class():
+    """verl's v1 separate_async trainer class, imported with a stand-in `transfer_queue` module when the real one
+    is absent (the module's import reads only `KVBatchMeta` from it)."""
+    stand_in = "transfer_queue" not in sys.modules and importlib.util.find_spec("transfer_queue") is None
+    if stand_in:
+        sys.modules["transfer_queue"] = SimpleNamespace(KVBatchMeta=type("KVBatchMetaStandIn", (), {}))
+    try:
+        from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
+    finally:
+        if stand_in:  # no other test of this process sees it
+            del sys.modules["transfer_queue"]
+    return PPOTrainerSeparateAsync
+
+
 def step_end(manager, step: int) -> dict:
-    """v1 separate_async's `on_step_end` sync line, as written there (its metrics are the step's sync metrics)."""
-    return dict(manager.update_weights(step) or {})
+    """One step's end in verl's v1 separate_async loop: its own `on_step_end` (hybrid switching off) on a bare
+    trainer object; the step's sync metrics are what it keeps for the step's log."""
+    cls = separate_async_class()
+    trainer = object.__new__(cls)
+    trainer.prev_step_profile = False
+    trainer.hybrid_rollout_config = SimpleNamespace(enable_switch=False)
+    trainer.standalone_checkpoint_manager, trainer.global_steps, trainer.timing_raw = manager, step, {}
+    cls.on_step_end(trainer)
+    assert "update_weights" in trainer.timing_raw  # verl's own method ran the sync under its timer
+    return trainer._pending_sync_metrics
 
 
 @ray.remote(num_cpus=0)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from verl_p2p import pipe
 from verl_p2p.errors import P2PError
 
 
@@ -160,20 +161,20 @@ def _serve(spec: TrainerSpec, conn: Any) -> None:
         "save": lambda arg: save(*arg),
         "pid": lambda _: os.getpid(),
     }
-    conn.send(("ok", {"pid": os.getpid(), "params": len(params)}))
+    pipe.send(conn, ("ok", {"pid": os.getpid(), "params": len(params)}))
     while True:
         try:
             command, arg = conn.recv()
         except EOFError:
             break
         if command == "stop":
-            conn.send(("ok", None))
+            pipe.send(conn, ("ok", None))
             break
         try:
             value = commands[command](arg)
-            conn.send(("ok", value))
+            pipe.send(conn, ("ok", value))
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the parent verbatim
-            conn.send(("error", _failure(exc)))
+            pipe.send(conn, ("error", _failure(exc)))
     source.close()
 
 
@@ -186,7 +187,7 @@ def _main(spec: TrainerSpec, conn: Any) -> None:
         _serve(spec, conn)
     except BaseException as exc:  # noqa: BLE001 - a failed start is reported to the parent
         try:
-            conn.send(("error", _failure(exc)))
+            pipe.send(conn, ("error", _failure(exc)))
         except OSError:
             pass
         raise
@@ -211,7 +212,7 @@ class TrainerProcess:
 
     def call(self, command: str, arg: Any = None, timeout_s: float = 600) -> Any:
         try:
-            self._conn.send((command, arg))
+            pipe.send(self._conn, (command, arg))
         except OSError as exc:  # the pipe's other end is gone
             raise TrainerDied(f"trainer process exited (code {self._proc.exitcode}) before {command!r}") from exc
         return self._answer(command, timeout_s)
@@ -246,7 +247,7 @@ class TrainerProcess:
             return
         if self._proc.is_alive():
             try:
-                self._conn.send(("stop", None))
+                pipe.send(self._conn, ("stop", None))
                 self._proc.join(timeout=30)
             except OSError:
                 pass

@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from verl_p2p import pipe
+
 
 @dataclass(frozen=True)
 class EngineAddress:
@@ -87,7 +89,7 @@ def _serve(conn, specs: Sequence[Any], model_path: str) -> None:
             thread.start()
         for thread in starters:
             thread.join()
-        conn.send(("ready", None) if not failed else ("error", "\n".join(failed.values())))
+        pipe.send(conn, ("ready", None) if not failed else ("error", "\n".join(failed.values())))
         while True:
             try:
                 name, args, kwargs = conn.recv()
@@ -96,9 +98,9 @@ def _serve(conn, specs: Sequence[Any], model_path: str) -> None:
             if name == "stop":
                 break
             try:
-                conn.send(("ok", commands[name](*args, **kwargs)))
+                pipe.send(conn, ("ok", commands[name](*args, **kwargs)))
             except Exception:  # answered to the driver, never fatal here
-                conn.send(("error", traceback.format_exc()))
+                pipe.send(conn, ("error", traceback.format_exc()))
     finally:
         for engine in engines.values():
             engine.stop()
@@ -126,7 +128,7 @@ class LoopbackHost:
 
     def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
         with self._lock:
-            self._conn.send((name, args, kwargs))
+            pipe.send(self._conn, (name, args, kwargs))
             kind, payload = self._conn.recv()
         if kind != "ok":
             raise HostError(f"loopback host: {name}{args}: {payload}")
@@ -149,7 +151,7 @@ class LoopbackHost:
         if self._process.is_alive():
             try:
                 with self._lock:
-                    self._conn.send(("stop", (), {}))
+                    pipe.send(self._conn, ("stop", (), {}))
             except OSError:
                 pass
             self._process.join(timeout)

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from verl_p2p import pipe
+
 DEFAULT_BUILDER = "verl_p2p.loopback.sglang_rank:build_sglang_rank_model"
 
 
@@ -231,9 +233,9 @@ def rank_main(args: RankArgs, conn: Connection, parent_pid: int) -> None:
         _publish(args.bootstrap_url, args.rank, session_id, weights_info)
         server = _RankServer(model, args)
     except BaseException:
-        conn.send(("failed", traceback.format_exc()))
+        pipe.send(conn, ("failed", traceback.format_exc()))
         raise SystemExit(1) from None
-    conn.send(("ready", {"session_id": session_id, "pid": os.getpid(), "num_params": len(weights_info)}))
+    pipe.send(conn, ("ready", {"session_id": session_id, "pid": os.getpid(), "num_params": len(weights_info)}))
     while True:
         try:
             req_id, op, kwargs = conn.recv()
@@ -245,7 +247,7 @@ def rank_main(args: RankArgs, conn: Connection, parent_pid: int) -> None:
             reply: tuple = (req_id, True, getattr(server, op)(**kwargs))
         except Exception as e:  # answered to the parent, never fatal to the rank
             reply = (req_id, False, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
-        conn.send(reply)
+        pipe.send(conn, reply)
     # Nothing to save: skip interpreter teardown (gloo, Mooncake threads), which takes seconds.
     sys.stdout.flush()
     sys.stderr.flush()
@@ -305,7 +307,7 @@ class RankHandle:
                 raise RankUnavailable(f"rank {self.rank} is dead ({self.death_reason()})")
             req_id = next(self._ids)
             try:
-                self._conn.send((req_id, op, kwargs))
+                pipe.send(self._conn, (req_id, op, kwargs))
             except OSError as e:
                 raise RankUnavailable(f"rank {self.rank} is unreachable: {e}") from e
             deadline = time.monotonic() + timeout
@@ -346,7 +348,7 @@ class RankHandle:
         """Ask the rank to exit, without waiting."""
         if self.process.is_alive() and not self.frozen:
             try:
-                self._conn.send((0, "shutdown", {}))
+                pipe.send(self._conn, (0, "shutdown", {}))
             except OSError:
                 pass
 

@@ -302,7 +302,7 @@ class P2PCheckpointEngineManager(CheckpointEngineManager):
         outcomes = await wait_each(calls, self.p2p_config.p2p_push_deadline_s, needed=needed)
         failed = [(i, o) for i, o in enumerate(outcomes) if isinstance(o, BaseException)]
         unknown: set | None = set()
-        lines = []
+        lines, lost = [], []
         for i, error in failed:
             if not per_rank:
                 named = unknown_targets_of(error)
@@ -313,7 +313,10 @@ class P2PCheckpointEngineManager(CheckpointEngineManager):
                 logger.warning("p2p: trainer rank %d (excluded, idle in this re-push) failed: %s", i, first_line(error))
                 continue
             else:
-                named = self._note(classify(sources[i].rank, error, self._assigned[i])).unknown
+                outcome = self._note(classify(sources[i].rank, error, self._assigned[i]))
+                named = outcome.unknown
+                if outcome.gone:
+                    lost.append(error)
             who = f"trainer rank {i}" if per_rank else "the trainer"
             left = ", ".join(str(t) for t in sorted(named, key=str)) if named is not None else "all (not known)"
             lines.append(f"{who}: {describe(error)} (targets left unknown: {left})")
@@ -322,7 +325,10 @@ class P2PCheckpointEngineManager(CheckpointEngineManager):
             return outcomes
         if unknown is None:  # said explicitly: the chain below may name fewer targets than were left unknown
             unknown = set(connection.targets)
-        raise PushError("p2p push failed on " + "; ".join(lines), unknown_targets=unknown) from failed[0][1]
+        # chained to a rank that died or was late where one did, else to the first failure: the failure policy
+        # reads the chain, and stops the run at once on a lost rank also when a live rank's failure came first
+        cause = lost[0] if lost else failed[0][1]
+        raise PushError("p2p push failed on " + "; ".join(lines), unknown_targets=unknown) from cause
 
     def _planned_around(self, rank: int) -> bool:
         outcome = self._outcomes.get(rank)

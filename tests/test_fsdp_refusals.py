@@ -8,7 +8,6 @@ SGLang's model classes, and (ranks that disagree) a real FSDP2 model on two gloo
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import socket
 import traceback
@@ -21,6 +20,7 @@ from verl_p2p.errors import P2PConfigError
 from verl_p2p.planning.fsdp import build_full_stream_plan, full_stream_sources, plan_full_stream
 from verl_p2p.planning.plan import SourceRank, split_by_bytes
 from verl_p2p.planning.targets import TargetRank
+from verl_p2p.sandbox import forked
 from verl_p2p.trainer.fsdp_export import FullStreamExport, FullStreamRefusedError, StreamEntry, check_stream
 from verl_p2p.trainer.senders import disagreeing_streams
 
@@ -187,12 +187,11 @@ def _disagreeing_rank(rank: int, world: int, port: int, model_dir: str, queue) -
 
 
 def test_fsdp2_ranks_streaming_different_models_are_refused_on_every_rank_before_the_stream(checkpoint):
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
+    queue = forked.context().Queue()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [ctx.Process(target=_disagreeing_rank, args=(r, 2, port, str(checkpoint), queue)) for r in range(2)]
+    procs = [forked.process(_disagreeing_rank, (r, 2, port, str(checkpoint), queue)) for r in range(2)]
     for p in procs:
         p.start()
     results = dict(queue.get(timeout=300) for _ in procs)

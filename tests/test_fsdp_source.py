@@ -14,7 +14,6 @@ exact; ranks streaming different models are refused by the go/no-go before a byt
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import socket
 
@@ -24,6 +23,7 @@ from support import replica_harness as harness
 from support.fsdp_ranks import RankJob, run_rank
 
 from verl_p2p.planning.targets import TargetRank
+from verl_p2p.sandbox import forked
 from verl_p2p.transfer.receiver import spec_from_plan, start_receivers, stop_all
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
@@ -107,15 +107,15 @@ class Rollout:
 
 
 def run_ranks(model_dir, rollout: Rollout, **job_args) -> dict[int, dict]:
-    """WORLD FSDP ranks in spawned processes; {rank: results}. `job_args`: per-rank RankJob fields."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
+    """WORLD FSDP ranks in processes forked from a preloaded template (sandbox/forked.py); {rank: results}.
+    `job_args`: per-rank RankJob fields."""
+    queue = forked.context().Queue()
     port, infos = _free_port(), rollout.infos()
     procs = []
     for rank in range(WORLD):
         fields = {k: (v(rank) if callable(v) else v) for k, v in job_args.items()}
         job = RankJob(rank, WORLD, port, str(model_dir), rollout.server_args, infos, **fields)
-        procs.append(ctx.Process(target=run_rank, args=(job, queue), daemon=True))
+        procs.append(forked.process(run_rank, (job, queue), daemon=True))
     for p in procs:
         p.start()
     results = dict(queue.get(timeout=600) for _ in procs)

@@ -171,11 +171,10 @@ def test_a_rank_hanging_in_the_plan_round_fails_the_sync_before_the_pause(world)
 def test_engine_path_survivors_stop_waiting_at_the_push_deadline(kind):
     """verl's stock manager path: the ranks exchange their outcomes over a gloo group whose timeout is the push
     deadline (before: torch's 1800 s default, and the rank opposite a killed one stayed blocked)."""
-    import torch.multiprocessing as mp
-
     from verl_p2p.backend.topology import SourceMeta, assign
     from verl_p2p.planning.layout import layout_from_server_args
     from verl_p2p.planning.targets import RemoteParam, RemoteRankInfo
+    from verl_p2p.sandbox import forked
 
     args = {"tp_size": 2, "dtype": "float32"}
     targets = [TargetRank(e, r) for e in (0, 1) for r in (0, 1)]
@@ -184,13 +183,12 @@ def test_engine_path_survivors_stop_waiting_at_the_push_deadline(kind):
     sources = [SourceMeta(r, 0) for r in range(WORLD)]
     assignments = assign(sources, {0: args, 1: args}, infos, layouts, generation=1)
     options = {"p2p_push_deadline_s": DEADLINE_S, "p2p_transfer_timeout": 2.0}
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
+    out = forked.context().Queue()
     port = free_port()
     procs = [
-        ctx.Process(
-            target=deadline_ranks.gloo_rank,
-            args=(r, WORLD, port, options, assignments[r], (kind, 1) if r == VICTIM else None, out),
+        forked.process(
+            deadline_ranks.gloo_rank,
+            (r, WORLD, port, options, assignments[r], (kind, 1) if r == VICTIM else None, out),
         )
         for r in range(WORLD)
     ]

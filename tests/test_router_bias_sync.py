@@ -15,12 +15,13 @@ the rollout must then hold the trainer's bias bytes.
 from __future__ import annotations
 
 import asyncio
-import multiprocessing as mp
 import os
 import sys
 from pathlib import Path
 
 import pytest
+
+from verl_p2p.sandbox import forked
 
 pytestmark = pytest.mark.slow
 
@@ -139,9 +140,8 @@ def _body(backend: str, workdir: Path) -> dict:
 
 @pytest.mark.parametrize("backend", ["megatron", "fsdp"])
 def test_a_changed_router_bias_reaches_the_rollout(tmp_path, backend):
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    child = ctx.Process(target=_run, args=(backend, str(tmp_path), queue))
+    queue = forked.context().Queue()
+    child = forked.process(_run, (backend, str(tmp_path), queue))
     child.start()
     try:
         status, value = queue.get(timeout=600)

@@ -114,14 +114,13 @@ class Ranks:
     """The trainer ranks, one inbox each: a call waits behind a rank that is busy or stopped, as Ray's do."""
 
     def __init__(self, trainer: Trainer) -> None:
-        import torch.multiprocessing as mp
+        from verl_p2p.sandbox import forked
 
-        ctx = mp.get_context("spawn")
+        ctx = forked.context()
         self.out = ctx.Queue()
         self.inboxes = [ctx.Queue() for _ in range(trainer.world)]
         self.procs = [
-            ctx.Process(target=serve, args=(r, trainer, self.inboxes[r], self.out), daemon=True)
-            for r in range(trainer.world)
+            forked.process(serve, (r, trainer, self.inboxes[r], self.out), daemon=True) for r in range(trainer.world)
         ]
         for p in self.procs:
             p.start()

@@ -29,12 +29,12 @@ def test_survivors_stop_waiting_at_the_deadline_and_re_push_without_the_stalled_
     import os
     import signal
 
-    import torch.multiprocessing as mp
+    from verl_p2p.sandbox import forked
 
-    ctx = mp.get_context("spawn")
+    ctx = forked.context()
     out, resumed, port = ctx.Queue(), ctx.Event(), free_port()
     args = (port, fault, DEADLINE_S, resumed, out)
-    procs = [ctx.Process(target=stalled_rank.rank_main, args=(r, *args), daemon=True) for r in range(4)]
+    procs = [forked.process(stalled_rank.rank_main, (r, *args), daemon=True) for r in range(4)]
     for p in procs:
         p.start()
     survivors = [r for r in range(4) if r != stalled_rank.VICTIM]

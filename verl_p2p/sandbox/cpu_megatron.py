@@ -406,7 +406,8 @@ def _child(fn: Callable, rank: int, world: int, port: int, args: tuple, queue) -
 
 
 def run_group(fn: Callable, world: int, *args, timeout_s: float = 240) -> list[Any]:
-    """Run `fn` in `world` spawned processes; return their results by rank, or raise with every failure.
+    """Run `fn` in `world` processes (forked from a preloaded template: sandbox/forked.py); return their results
+    by rank, or raise with every failure.
 
     A group not finished after `timeout_s` (a hang) is killed and reported as such; so is one whose rank failed
     or died (its peers may wait on it forever).
@@ -414,12 +415,11 @@ def run_group(fn: Callable, world: int, *args, timeout_s: float = 240) -> list[A
     import queue as queue_mod
     import time
 
-    import torch.multiprocessing as mp
+    from verl_p2p.sandbox import forked
 
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
+    queue = forked.context().Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(fn, r, world, port, args, queue), daemon=True) for r in range(world)]
+    procs = [forked.process(_child, (fn, r, world, port, args, queue), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import atexit
 import io
-import multiprocessing as mp
 import os
 import random
 import signal
@@ -28,13 +27,14 @@ from verl_p2p.loopback.control import ControlContext, ThreadedServer, create_app
 from verl_p2p.loopback.fault_injection import LoopbackFaults
 from verl_p2p.loopback.features import Features, installed_sglang_version
 from verl_p2p.loopback.lifecycle import VIOLATION, Lifecycle
-from verl_p2p.loopback.rank_worker import DEFAULT_BUILDER, RankArgs, RankHandle, rank_main
+from verl_p2p.loopback.rank_worker import DEFAULT_BUILDER, RANK_PRELOAD, RankArgs, RankHandle, rank_main
 from verl_p2p.loopback.server_args import (
     cpu_rank_settings,
     launch_server_args,
     resolve_server_args,
     server_args_field_names,
 )
+from verl_p2p.sandbox import forked
 
 
 @dataclass(frozen=True)
@@ -149,7 +149,7 @@ class LoopbackEngine:
 
     def _spawn_ranks(self) -> None:
         spec = self.spec
-        ctx = mp.get_context("spawn")
+        ctx = forked.context(RANK_PRELOAD)
         dist_init = f"tcp://{spec.host}:{free_port(spec.host)}"
         for rank in range(spec.tp):
             args = RankArgs(
@@ -163,9 +163,10 @@ class LoopbackEngine:
                 builder=spec.builder,
             )
             parent_conn, child_conn = ctx.Pipe()
-            proc = ctx.Process(
-                target=rank_main,
-                args=(args, child_conn, os.getpid()),
+            proc = forked.process(
+                rank_main,
+                (args, child_conn, os.getpid()),
+                RANK_PRELOAD,
                 name=f"loopback-{self.port}-rank{rank}",
                 daemon=True,
             )

@@ -26,6 +26,8 @@ from typing import Any
 from verl_p2p import pipe
 
 DEFAULT_BUILDER = "verl_p2p.loopback.sglang_rank:build_sglang_rank_model"
+# imported once by the template the engine's ranks are forked from (sandbox/forked.py)
+RANK_PRELOAD = ["verl_p2p.loopback.rank_preload"]
 
 
 class RankUnavailable(RuntimeError):
@@ -54,10 +56,23 @@ class RankArgs:
 
 
 def _watch_parent(parent_pid: int) -> None:
+    """Exit when the engine process is gone. A rank forked from a template is the template's child, and the
+    template exits with the engine: either way the rank's parent changes when the engine dies."""
+    start_parent = os.getppid()
     while True:
-        if os.getppid() != parent_pid:
+        if os.getppid() != start_parent or not _alive(parent_pid):
             os._exit(0)
         time.sleep(0.5)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process now holds the number: ours is gone
+        return False
+    return True
 
 
 def _load_builder(path: str):
@@ -212,7 +227,7 @@ class _RankServer:
 
 
 def rank_main(args: RankArgs, conn: Connection, parent_pid: int) -> None:
-    """Entry point of a spawned rank process."""
+    """Entry point of a rank process (forked from the engine's preloaded template)."""
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the parent, which stops the ranks
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()

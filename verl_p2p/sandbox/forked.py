@@ -1,4 +1,5 @@
-"""Test process groups forked from a preloaded template instead of spawned as fresh interpreters.
+"""CPU process groups (test worlds, the loopback rollout's ranks) forked from a preloaded template instead of
+spawned as fresh interpreters.
 
 A spawned rank of a CPU test world spends most of its CPU importing torch, Megatron-Bridge and SGLang before its
 few milliseconds of work. Python's forkserver start method keeps one template process per parent that imports
@@ -19,16 +20,17 @@ from typing import Any
 PRELOAD = ["verl_p2p.sandbox.group_preload"]
 
 
-def context() -> BaseContext:
-    """The forkserver context with the template's preload set (it takes effect when the template starts)."""
+def context(preload: list[str] = PRELOAD) -> BaseContext:
+    """The forkserver context with the template's preload set. One template serves a process: the preload of the
+    first call that starts it holds (a later caller's ranks import the rest themselves, as spawned ones would)."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
+    ctx.set_forkserver_preload(preload)
     return ctx
 
 
-def process(target: Callable[..., Any], args: tuple = (), **kwargs: Any) -> BaseProcess:
+def process(target: Callable[..., Any], args: tuple = (), preload: list[str] = PRELOAD, **kwargs: Any) -> BaseProcess:
     """An unstarted process of `context()` running `target(*args)` in this process's current environment."""
-    return context().Process(target=_in_env, args=(dict(os.environ), target, args), **kwargs)
+    return context(preload).Process(target=_in_env, args=(dict(os.environ), target, args), **kwargs)
 
 
 def _in_env(env: dict[str, str], target: Callable[..., Any], args: tuple) -> None:

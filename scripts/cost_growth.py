@@ -593,7 +593,7 @@ def _mem_fraction(args: argparse.Namespace, cfg: dict, quant: str) -> float | No
         )
     except MemFractionError as exc:
         raise SystemExit(str(exc)) from exc
-    if fraction.value is None or fraction.source == "--mem-fraction":
+    if fraction.value is None or args.mem_fraction is not None:
         return fraction.value
     written = disk_budget(cfg, quant).checkpoint_bytes
     free = shutil.disk_usage(args.workdir or tempfile.gettempdir()).free

@@ -68,9 +68,7 @@ def _watch_parent(parent_pid: int) -> None:
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process now holds the number: ours is gone
+    except (ProcessLookupError, PermissionError):  # gone, or its number now someone else's process's
         return False
     return True
 

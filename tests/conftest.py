@@ -40,6 +40,7 @@ LONGEST_FIRST = (
     "test_soak_leaks.py",
     "test_verl_e2e.py",
     "test_fsdp_refusals.py",
+    "test_manager_transient_write.py",
     "test_sync_failures.py",
     "test_replica_exact_models.py",
     "test_tiny_recipe.py",

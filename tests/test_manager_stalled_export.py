@@ -81,8 +81,11 @@ RETRIED = f"{PREFIX}retried_targets"
 @dataclass(frozen=True)
 class Setup:
     kind: str  # tests/support/stalled_export.py's Trainer.kind
-    ranks: int  # trainer ranks; one TP1 rollout engine per rank
+    ranks: int  # trainer ranks
     group_timeout_s: float  # the trainer's own groups (the export's gathers run on them)
+    tp: int = 2  # Megatron's tensor- and pipeline-parallel sizes
+    pp: int = 1
+    engines: int | None = None  # TP1 rollout engines (None: one per trainer rank)
 
 
 SETUPS = {
@@ -90,6 +93,9 @@ SETUPS = {
     "megatron": Setup("megatron", WORLD, 30.0),
     # the same, and the wait of "stop_past_timeout"
     "fsdp": Setup("fsdp", 2, 20.0),
+    # tests/test_manager_transient_write.py: the layouts where only the ranks a write failed for can re-push it
+    "megatron_one_rank_per_stage": Setup("megatron", 2, 30.0, tp=1, pp=2),
+    "megatron_split_target": Setup("megatron", 2, 30.0, tp=1, engines=1),  # two data-parallel copies, one target
 }
 
 
@@ -109,7 +115,7 @@ class World:
     def launch(self) -> None:
         """Start the trainer ranks in a new gloo world (they build while the caller goes on)."""
         s = self.setup
-        trainer = Trainer(s.kind, s.ranks, free_port(), str(self.model_dir), DEADLINE_S, s.group_timeout_s)
+        trainer = Trainer(s.kind, s.ranks, free_port(), str(self.model_dir), DEADLINE_S, s.group_timeout_s, s.tp, s.pp)
         self.options = {
             **p2p_options(trainer), "p2p_push_retries": 1, "p2p_prepare_deadline_s": 120.0, "http_timeout": 10
         }  # fmt: skip
@@ -141,9 +147,12 @@ class World:
             ray.kill(actor)
         self.actors, self.pids = [], []
 
-    def sync(self) -> tuple[dict | SyncError, float]:
-        """One `update_weights` after a 0xFF fill of every target: (its metrics or its SyncError, seconds)."""
+    def sync(self, before: Any = None) -> tuple[dict | SyncError, float]:
+        """One `update_weights` after a 0xFF fill of every target (then `before()`, when given): (its metrics or
+        its SyncError, seconds)."""
         self.rollout.fill()
+        if before is not None:
+            before()
         self.step += 1
         t0 = time.monotonic()
         try:
@@ -193,7 +202,8 @@ def world(request, cluster, model_dir, tmp_path_factory):  # noqa: F811 - the im
     w = World(SETUPS[request.param], model_dir)
     try:
         w.launch()
-        w.rollout = Targets(model_dir, w.setup.ranks, tmp_path_factory.mktemp("dumps"))  # while the ranks build
+        engines = w.setup.engines or w.setup.ranks
+        w.rollout = Targets(model_dir, engines, tmp_path_factory.mktemp("dumps"))  # while the ranks build
         args = {SEED_FLAG: True, MEMORY_SAVER: False, "dtype": "float32"}
         for target in w.rollout.targets:  # engine e: receiver e's memory, published as SGLang's rank 0 would
             fake = FakeSGLang(tp_size=1, version=installed_sglang_version(), sessions=False, server_args=args)

@@ -8,6 +8,7 @@ model has a large vocabulary so one write call to a rank moves 64 MiB and the si
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 import signal
@@ -17,14 +18,14 @@ import time
 import pytest
 import torch
 
-from verl_p2p.errors import TransferError
+from verl_p2p.errors import TransferError, WriteInFlightError
 from verl_p2p.planning.targets import TargetRank
 from verl_p2p.trainer.push import PushTarget, push
 from verl_p2p.transfer.base import TransportProxy
 from verl_p2p.transfer.buffers import TransferBuffers
 from verl_p2p.transfer.mooncake import MooncakeTransport
 from verl_p2p.transfer.receiver import spec_from_plan, start_receivers, stop_all
-from verl_p2p.transfer.writer import Writer
+from verl_p2p.transfer.writer import InFlightCalls, Writer
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 pytestmark = pytest.mark.slow
@@ -111,12 +112,16 @@ def transport():
     return MooncakeTransport("127.0.0.1", protocol="tcp", timeout_s=TIMEOUT_S)
 
 
-def run_push(transport, model, receivers):
+def run_push(transport, model, receivers, inflight=None):
+    """One push to every live receiver; `inflight`: the calls in flight shared with earlier pushes' Writers (as one
+    trainer rank's SourceSession shares them), or a private set."""
     replicas, hf, _ = model
     live = {t: h for t, h in receivers.items() if t != "spare"}
     targets = [PushTarget(t, replicas[t.rank], h.remote_info()) for t, h in sorted(live.items())]
     buffers = TransferBuffers(SLOT_BYTES, transport)
-    writer = Writer(transport, {t.target: t.remote for t in targets}, timeout_s=TIMEOUT_S, num_workers=4)
+    writer = Writer(
+        transport, {t.target: t.remote for t in targets}, timeout_s=TIMEOUT_S, num_workers=4, inflight=inflight
+    )
     start = time.monotonic()
     try:
         return push(iter(hf.items()), targets, buffers, writer), None, start, time.monotonic()
@@ -146,7 +151,7 @@ def test_healthy_push_shares_loads_between_equal_layouts(model, receivers, trans
     check_targets(model, receivers, [t for t in receivers if t != "spare"])
 
 
-def _fails_mid_write(model, receivers, transport, action_name):
+def _fails_mid_write(model, receivers, transport, action_name, inflight=None):
     victim = receivers[VICTIM]
     sig = signal.SIGKILL if action_name == "kill" else signal.SIGSTOP
 
@@ -157,7 +162,7 @@ def _fails_mid_write(model, receivers, transport, action_name):
     for t in others:
         receivers[t].fill()
     hooked = SignalMidWrite(transport, victim.session_id, action)
-    metrics, error, start, end = run_push(hooked, model, receivers)
+    metrics, error, start, end = run_push(hooked, model, receivers, inflight)
     hooked.returned_by_end = hooked.returned is not None and hooked.returned <= end
     assert metrics is None and error is not None
     assert hooked.started is not None and hooked.started < hooked.acted, "the signal did not land in a write"
@@ -178,9 +183,32 @@ def test_killed_target_fails_push_others_complete(model, receivers, transport):
     replace_victim(receivers)
 
 
-def test_frozen_target_times_out_others_complete(model, receivers, transport):
-    hooked, msg, end = _fails_mid_write(model, receivers, transport, "freeze")
+def test_frozen_target_times_out_others_complete(model, receivers, transport, caplog):
+    """Then, as the same trainer rank's next pushes (their Writers share its calls in flight): the first push's call
+    is still blocked when the push fails (Mooncake's own timeout, MC_TRANSFER_TIMEOUT, fires a little after ours);
+    the next push waits for it instead of refusing the target at once, and writes the still-frozen target again
+    (timed out again, the others complete); thawed while a later push runs, that push writes it whole."""
+    inflight = InFlightCalls()
+    hooked, msg, end = _fails_mid_write(model, receivers, transport, "freeze", inflight)
     assert f"timed out after {TIMEOUT_S:g} s" in msg
     assert not hooked.returned_by_end  # the push failed while the Mooncake call was still blocked
     assert end - hooked.started >= TIMEOUT_S  # failed on our deadline, not on an early transport error
-    receivers[VICTIM].kill()  # unblocks the lingering Mooncake call
+    others = [t for t in receivers if t not in (VICTIM, "spare")]
+
+    for t in others:
+        receivers[t].fill()
+    with caplog.at_level(logging.WARNING, logger="verl_p2p.transfer.writer"):
+        _, again, start, end = run_push(transport, model, receivers, inflight)  # still frozen
+    assert not isinstance(again, WriteInFlightError), f"refused at once for the blocked call: {again}"
+    assert "write calls to return before this push: all returned" in caplog.text, caplog.text  # it waited
+    assert f"engine {VICTIM.engine} rank {VICTIM.rank}" in str(again) and "timed out" in str(again), again
+    check_targets(model, receivers, others)
+
+    for t in others:
+        receivers[t].fill()
+    thaw = threading.Timer(TIMEOUT_S / 3, receivers[VICTIM].thaw)
+    thaw.start()
+    metrics, error, start, end = run_push(transport, model, receivers, inflight)
+    thaw.join()
+    assert error is None, f"thawed during the push, yet: {error}"
+    check_targets(model, receivers, [t for t in receivers if t != "spare"])

@@ -28,12 +28,14 @@ TP = 2  # Megatron: TP2 x DP2 on four ranks
 
 @dataclass(frozen=True)
 class Trainer:
-    kind: str  # "megatron" (TP2 x DP2, PP-local export) or "fsdp" (FSDP2, full stream)
+    kind: str  # "megatron" (TP2 x DP2 unless `tp`/`pp` say otherwise, PP-local export) or "fsdp" (FSDP2, full stream)
     world: int
     port: int
     model_dir: str
     deadline_s: float  # p2p_push_deadline_s (p2p's own go/no-go groups)
     group_timeout_s: float  # the trainer's own groups: the export's gathers run on them
+    tp: int = TP  # Megatron's tensor- and pipeline-parallel sizes (data parallel: the rest of the world)
+    pp: int = 1
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,8 @@ def init_rank(rank: int, trainer: Trainer) -> tuple[Any, Any]:
     if trainer.kind == "megatron":
         from verl_p2p.sandbox.cpu_megatron import Parallel, megatron_engine_shell
 
-        engine = megatron_engine_shell(trainer.model_dir, Parallel(tp=TP), timeout_s=trainer.group_timeout_s)
+        parallel = Parallel(tp=trainer.tp, pp=trainer.pp)
+        engine = megatron_engine_shell(trainer.model_dir, parallel, timeout_s=trainer.group_timeout_s)
         return engine, engine
     from support.fsdp_ranks import actor_worker, cpu_platform_for_verl_fsdp, fsdp2_engine
 

@@ -12,7 +12,9 @@ Mooncake's own timeout).
 
 A blocked call may still land, so a target stays failed while any call to its session is in flight, also for
 the Writer of a later plan generation (`InFlightCalls`, shared by every Writer of one trainer rank): a newer
-write landing first would be overwritten by the older bytes when the blocked call lands.
+write landing first would be overwritten by the older bytes when the blocked call lands. A new push first waits
+up to one write timeout for such calls to return (`reset_failures`): a rollout rank that stalled past one timeout
+and came back is written again instead of refused.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ class InFlightCalls:
     that session until the call returned. Each Writer counts under its own token."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()  # notified whenever a call returns
         self._calls: dict[str, dict[int, int]] = {}  # session id -> writer token -> calls in flight
         self._tokens = itertools.count(1)
 
@@ -67,11 +69,24 @@ class InFlightCalls:
                 del owners[token]
             if not owners:
                 self._calls.pop(session_id, None)
+            self._lock.notify_all()
 
     def busy(self, session_id: str, other_than: int | None = None) -> bool:
         """A call to `session_id` is in flight (from a Writer other than token `other_than`, when given)."""
         with self._lock:
             return any(token != other_than for token in self._calls.get(session_id, {}))
+
+    def wait_settled(self, session_ids: Iterable[str], timeout_s: float) -> set[str]:
+        """Wait up to `timeout_s` for every call to `session_ids` (from any Writer) to return; those still busy."""
+        wanted = set(session_ids)
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while busy := wanted & self._calls.keys():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return busy
+                self._lock.wait(left)
+        return set()
 
 
 _STILL_IN_FLIGHT = (
@@ -275,9 +290,21 @@ class Writer:
         return problems
 
     # ------------------------------------------------------------------ writes
-    def reset_failures(self) -> None:
-        """Forget failed targets no call is in flight to any more (start of a new push); one with a call still
-        blocked in the transport (this Writer's or an earlier one's) stays failed."""
+    def reset_failures(self, settle_s: float = 0.0) -> None:
+        """Start of a new push: wait up to `settle_s` for the write calls of an earlier push (this Writer's or an
+        earlier one's) still blocked in the transport towards this Writer's targets, then forget the failed
+        targets no call is in flight to any more; one with a call still blocked stays failed (refused: it may
+        still land). The wait lets a re-push ride out a rollout rank that stalled past one write timeout and
+        came back (its blocked call returns then) instead of refusing it at once."""
+        sessions = {info.session_id for info in self.targets.values()}
+        if settle_s > 0 and any(self.inflight.busy(session) for session in sessions):
+            t0 = time.monotonic()
+            still = self.inflight.wait_settled(sessions, settle_s)
+            logger.warning(
+                "p2p: waited %.1f s for an earlier push's write calls to return before this push: %s",
+                time.monotonic() - t0,
+                f"still blocked towards session(s) {sorted(still)}, refused" if still else "all returned",
+            )
         with self._cond:
             for target, failure in list(self.failed.items()):
                 if not self.inflight.busy(failure.session_id):

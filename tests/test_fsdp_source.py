@@ -155,13 +155,15 @@ def test_fsdp2_stream_from_every_rank_is_bit_exact_in_tp2_ep2_and_tp1_engines(tm
     rollout.assert_exact(tmp_path, "fsdp")
 
 
-def test_fsdp1_stream_from_every_rank_is_bit_exact_like_fsdp2(tmp_path, model):
+@pytest.mark.parametrize("param_offload", [False, True], ids=["", "param_offload"])
+def test_fsdp1_stream_from_every_rank_is_bit_exact_like_fsdp2(tmp_path, model, param_offload):
     """verl's `actor.strategy=fsdp`: torch's FullyShardedDataParallel as verl wraps it (tests/support/fsdp_ranks.py
-    `fsdp1_engine`), streamed by the same `get_per_tensor_param()` after verl's FSDP1 staging."""
+    `fsdp1_engine`), streamed by the same `get_per_tensor_param()` after verl's FSDP1 staging; with
+    `param_offload`, through verl's and p2p's staging around the state dict (a host-to-host move on this CPU host)."""
     model_dir, rollout = model
     for h in rollout.receivers.values():
         h.fill()
-    results = run_ranks(model_dir, rollout, strategy="fsdp")
+    results = run_ranks(model_dir, rollout, strategy="fsdp", param_offload=param_offload)
     for rank, r in results.items():
         assert r["sync"]["stream_is_manifest"] is True, f"rank {rank}: the FSDP1 stream is not the predicted one"
     for t in TARGETS:

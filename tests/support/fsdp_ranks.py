@@ -46,6 +46,7 @@ class RankJob:
     repush: bool = False  # after a failure: re-push the unknown targets from the surviving ranks
     verl_syncs: int = 0  # > 0: that many syncs through verl's own `ActorRolloutRefWorker.update_weights`
     strategy: str = "fsdp2"  # verl's actor.strategy: "fsdp2" (fully_shard) or "fsdp" (FullyShardedDataParallel)
+    param_offload: bool = False  # FSDP1: verl's actor.fsdp_config.param_offload (see fsdp1_engine)
     results: dict[str, Any] = field(default_factory=dict)
 
 
@@ -61,12 +62,14 @@ def cpu_platform_for_verl_fsdp() -> None:
     fsdp_utils.get_device_id = lambda: 0
 
 
-def fsdp1_engine(model_dir: str, world: int) -> Any:
+def fsdp1_engine(model_dir: str, world: int, param_offload: bool = False) -> Any:
     """verl's FSDPEngineWithLMHead over an FSDP1 (`FullyShardedDataParallel`) HF model on a CPU mesh of `world`
     ranks, wrapped as verl 0.9.1's `_build_fsdp_module` wraps it for `actor.strategy=fsdp` (its auto-wrap policy,
     sharding strategy and default mixed precision: bf16 compute over fp32 flat params; the sharded state-dict type
     its `initialize()` sets for several ranks). Stand-in: `sync_module_states=False`, since torch's FSDP1 refuses
-    it for CPU modules (every rank loads the same checkpoint, which is what the broadcast would give)."""
+    it for CPU modules (every rank loads the same checkpoint, which is what the broadcast would give).
+    `param_offload`: verl's flag, so that its staging around the state dict (load to the device, offload after)
+    and p2p's own for the stream's manifest run; on a CPU host both ends of that move are host memory."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
@@ -94,7 +97,7 @@ def fsdp1_engine(model_dir: str, world: int) -> Any:
     engine = object.__new__(FSDPEngineWithLMHead)  # stand-in for __init__/initialize (CUDA only)
     engine.module = module
     engine.model_config = SimpleNamespace(lora={}, hf_config=model.config, local_path=model_dir)
-    engine._is_offload_param = False
+    engine._is_offload_param = param_offload
     engine._uses_fsdp2_cpu_offload_policy = False
     engine._qat_enabled = False
     return engine
@@ -185,7 +188,9 @@ def _run(job: RankJob) -> None:
         real = mooncake.MooncakeTransport
         mooncake.MooncakeTransport = lambda *a, **k: DiesAfter(real(*a, **k), job.dies_after_writes)
     engine = (
-        fsdp1_engine(job.model_dir, job.world) if job.strategy == "fsdp" else fsdp2_engine(job.model_dir, job.world)
+        fsdp1_engine(job.model_dir, job.world, job.param_offload)
+        if job.strategy == "fsdp"
+        else fsdp2_engine(job.model_dir, job.world)
     )
     config = P2PConfig(
         protocol="tcp", hostname="127.0.0.1", bucket_size_mb=1, p2p_transfer_timeout=TIMEOUT_S, plan_cache_dir=""

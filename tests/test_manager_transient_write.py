@@ -38,6 +38,7 @@ from test_manager_stalled_export import (  # noqa: F401 - the module fixtures, r
 )
 from test_push_deadline import cluster  # noqa: F401 - the module's local Ray cluster (log_to_driver=False)
 
+from verl_p2p.backend.failure_policy import SyncFailuresError
 from verl_p2p.backend.metrics import PREFIX
 
 pytestmark = pytest.mark.slow
@@ -108,3 +109,38 @@ def test_a_write_timeout_is_re_pushed_by_the_ranks_it_failed_for(world: World): 
     assert all(s.weight_version == str(world.step) and not s.paused for s in world.servers)
     report["sync3_s"] = round(world.exact_sync(), 2)  # and the next sync, whole
     print(f"{world.setup.kind} tp{world.setup.tp} pp{world.setup.pp}: {report}")
+
+
+@pytest.mark.parametrize("world", ["megatron_one_rank_per_stage"], indirect=True)
+def test_a_rollout_rank_that_stays_frozen_stops_one_step_offs_run_after_the_budget(world: World):  # noqa: F811
+    """The stall does not end: verl's one_step_off `_fit_update_weights` (test_sync_failures' bare trainer) raises
+    SyncFailuresError once `p2p_max_consecutive_failures` syncs failed in a row, each push and re-push costing
+    about one write timeout (a write timing out, or a wait for the call blocked before it): about
+    T x (p2p_push_retries + 1) x p2p_max_consecutive_failures in all (docs/failures.md). The frozen replica stays
+    paused at its old version, never resumed; thawed, the next sync writes it whole."""
+    from test_sync_failures import fit_update_weights, one_step_off
+
+    transfer_timeout_s = world.options["p2p_transfer_timeout"]
+    budget_s = transfer_timeout_s * (world.options["p2p_push_retries"] + 1) * 3  # the option's default: 3
+    world.exact_sync()
+    frozen = world.rollout.targets[0]
+    receiver = world.rollout.receivers[frozen]
+    world.rollout.fill()
+    receiver.freeze()
+    trainer = one_step_off(world.manager)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(SyncFailuresError) as info:
+            fit_update_weights(trainer, world.step + 1)
+        seconds = time.monotonic() - t0
+        world.step += 1
+        error, text = info.value, str(info.value)
+        print(f"frozen for good: the run stopped after {seconds:.2f} s (budget {budget_s:g} s)")
+        assert "3 weight syncs failed in a row (p2p_max_consecutive_failures=3): the run stops" in text, text
+        assert f"engine {frozen.engine} rank {frozen.rank}" in text and "timed out" in text, text
+        assert budget_s - transfer_timeout_s < seconds < budget_s + MARGIN_S, f"{seconds:.1f} s, budget {budget_s} s"
+        assert error.stale_engines == [frozen.engine]
+        world.assert_paused([frozen.engine])  # never resumed with unknown bytes
+    finally:
+        receiver.thaw()
+    world.exact_sync()  # thawed: every byte, every replica resumed

@@ -442,8 +442,12 @@ def push_error(failures: Iterable[TargetFailure]) -> TransferError:
     """One TransferError naming every failed target (engine, rank, session) and what to do."""
     failures = list(failures)
     lines = "\n  ".join(f.describe() for f in failures)
+    # the first line alone says which targets and why: summaries of several ranks' failures keep only that line
+    why = "; ".join(f"{f.target}: {_cut(f.reason)}" for f in failures[:_FIRST_LINE_TARGETS])
+    if len(failures) > _FIRST_LINE_TARGETS:
+        why += f"; {len(failures) - _FIRST_LINE_TARGETS} more below"
     text = (
-        f"weight push failed for {len(failures)} target(s); their weights are now unknown:\n  {lines}\n"
+        f"weight push failed for {len(failures)} target(s) ({why}); their weights are now unknown:\n  {lines}\n"
         "Check those rollout servers are alive and reachable from this trainer rank (network, RDMA device, "
         "firewall), or raise p2p_transfer_timeout if they are only slow; the next sync must rewrite them."
     )
@@ -453,3 +457,12 @@ def push_error(failures: Iterable[TargetFailure]) -> TransferError:
     if in_flight:
         return WriteInFlightError(text, unknown_targets=unknown, in_flight_targets=in_flight)
     return TransferError(text, unknown_targets=unknown)
+
+
+_FIRST_LINE_TARGETS = 3
+
+
+def _cut(reason: str, limit: int = 70) -> str:
+    """A failure's reason on one short line (the full one is in the lines below it)."""
+    line = " ".join(reason.split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."

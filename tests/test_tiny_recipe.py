@@ -102,6 +102,11 @@ VARIANTS = {
     "one_step_off-1gpu-fsdp": (TINY, {"ONE_GPU": "1", "TRAINER": "fsdp"}),
     "one_step_off-1gpu-fsdp-mooncake": (TINY, {"ONE_GPU": "1", "TRAINER": "fsdp", "BACKEND": "mooncake"}),
     "fully_async-1gpu-fsdp": (TINY_ASYNC, {"ONE_GPU": "1", "TRAINER": "fsdp"}),
+    # FSDP1 with verl's param offload (R32's GPU run)
+    "one_step_off-1gpu-fsdp1-offload": (
+        TINY,
+        {"ONE_GPU": "1", "TRAINER": "fsdp", "FSDP_STRATEGY": "fsdp", "PARAM_OFFLOAD": "1"},
+    ),
 }
 
 
@@ -135,7 +140,10 @@ def test_every_run_of_the_gpu_report_passes_verls_config_validation(variant):
             "--config-name=" + ("fully_async_ppo_trainer" if script == TINY_ASYNC else "one_step_off_ppo_trainer")
             in args
         )
-        assert not [a for a in args if "megatron" in a] and cfg.actor_rollout_ref.actor.strategy == "fsdp2"
+        assert not [a for a in args if "megatron" in a]
+        actor = cfg.actor_rollout_ref.actor
+        assert actor.strategy == env.get("FSDP_STRATEGY", "fsdp2") == cfg.actor_rollout_ref.ref.strategy
+        assert actor.fsdp_config.param_offload is (env.get("PARAM_OFFLOAD") == "1")
         assert cfg.actor_rollout_ref.model.override_config.attn_implementation == "sdpa"
         if not env.get("SAVE_CONTENTS"):  # FSDP's save holds an HF model only when asked: the fresh server reads it
             assert list(cfg.actor_rollout_ref.actor.checkpoint.save_contents) == ["model", "hf_model"]

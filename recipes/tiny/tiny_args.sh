@@ -11,6 +11,9 @@
 #   TRAINER=megatron|fsdp    verl's actor: Megatron (default; TE-free, TP1) or FSDP2 (verl's default trainer; HF
 #                            model with SDPA attention, p2p's +p2p=fsdp overlay); sets TINY_ONE_STEP_OFF_CONFIG and
 #                            TINY_FULLY_ASYNC_CONFIG, the verl config each recipe starts from
+#   FSDP_STRATEGY=fsdp2|fsdp  with TRAINER=fsdp: FSDP2 (fully_shard, default) or FSDP1 (FullyShardedDataParallel)
+#   PARAM_OFFLOAD=1          with TRAINER=fsdp: verl's param offload (the actor's parameters live in host memory
+#                            between phases; its weight stream loads them to the GPU and offloads them again)
 #   BACKEND=p2p|mooncake|nixl|control weight sync: p2p (this package, default; also `verl_p2p`), verl's own engine,
 #                            or the negative control (recipes/learn/control_engine.py, a stand-in that never
 #                            updates the rollout's weights), same run otherwise
@@ -47,6 +50,13 @@ RAY_ENV=ray_kwargs.ray_init.runtime_env.env_vars
 MEGATRON=actor_rollout_ref.actor.megatron
 SGLANG=actor_rollout_ref.rollout.engine_kwargs.sglang
 TRAINER=${TRAINER:-megatron}
+case "${FSDP_STRATEGY:-fsdp2}" in
+    fsdp2 | fsdp) ;;
+    *)
+        echo "FSDP_STRATEGY=$FSDP_STRATEGY: expected fsdp2 (FSDP2) or fsdp (FSDP1)" >&2
+        exit 2
+        ;;
+esac
 case "$TRAINER" in
     megatron) TINY_ONE_STEP_OFF_CONFIG=one_step_off_ppo_megatron_trainer TINY_FULLY_ASYNC_CONFIG=fully_async_ppo_megatron_trainer ;;
     fsdp) TINY_ONE_STEP_OFF_CONFIG=one_step_off_ppo_trainer TINY_FULLY_ASYNC_CONFIG=fully_async_ppo_trainer ;;
@@ -132,10 +142,11 @@ if [[ "$TRAINER" == megatron ]]; then
     )
 else  # FSDP2: verl's HF model with SDPA (verl's default asks for flash-attn), no torch.compile of the tiny model
     TINY_ARGS+=(
-        actor_rollout_ref.actor.strategy=fsdp2
+        actor_rollout_ref.actor.strategy="${FSDP_STRATEGY:-fsdp2}"
         +actor_rollout_ref.model.override_config.attn_implementation=sdpa
         actor_rollout_ref.actor.use_torch_compile=false
     )
+    [[ "${PARAM_OFFLOAD:-0}" == 1 ]] && TINY_ARGS+=(actor_rollout_ref.actor.fsdp_config.param_offload=true)
 fi
 
 # The pool mapping (stand-in): Ray starts with two GPU slots on a one-GPU node; tiny_run_setup.py maps the slot Ray

@@ -51,7 +51,7 @@ import ray
 from support.deadline_ranks import RayActorGroupStandIn, start_rank
 from support.fake_sglang import FakeSGLang, free_port
 from support.manager_export_ranks import ExportRankWorker
-from support.stalled_export import Trainer, p2p_options
+from support.stalled_export import TP, Trainer, p2p_options
 from test_manager import ReplicaStandIn
 from test_push_deadline import cluster  # noqa: F401 - the module's local Ray cluster (log_to_driver=False)
 from test_stalled_rank_export import Targets
@@ -83,7 +83,7 @@ class Setup:
     kind: str  # tests/support/stalled_export.py's Trainer.kind
     ranks: int  # trainer ranks
     group_timeout_s: float  # the trainer's own groups (the export's gathers run on them)
-    tp: int = 2  # Megatron's tensor- and pipeline-parallel sizes
+    tp: int = TP  # Megatron's tensor- and pipeline-parallel sizes
     pp: int = 1
     engines: int | None = None  # TP1 rollout engines (None: one per trainer rank)
 

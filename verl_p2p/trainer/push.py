@@ -430,7 +430,7 @@ def push(
     )
     planned = _planned_specs(groups)
     metrics = PushMetrics(bytes_per_target={t.target: 0 for t in targets})
-    writer.reset_failures(settle_s=writer.timeout_s)  # an earlier push's call blocked on a stalled rank may return
+    writer.reset_failures()  # waits for an earlier push's call blocked on a stalled rank (at most its timeout)
     buffers.begin()
     metrics.slot_bytes = buffers.slot_bytes_total
     pusher = _Pusher(buffers, writer, metrics, flush_bytes or max(ALIGN, buffers.slot_bytes // 8), load_threads)

@@ -290,16 +290,16 @@ class Writer:
         return problems
 
     # ------------------------------------------------------------------ writes
-    def reset_failures(self, settle_s: float = 0.0) -> None:
-        """Start of a new push: wait up to `settle_s` for the write calls of an earlier push (this Writer's or an
-        earlier one's) still blocked in the transport towards this Writer's targets, then forget the failed
+    def reset_failures(self) -> None:
+        """Start of a new push: wait up to one write timeout for the write calls of an earlier push (this Writer's
+        or an earlier one's) still blocked in the transport towards this Writer's targets, then forget the failed
         targets no call is in flight to any more; one with a call still blocked stays failed (refused: it may
         still land). The wait lets a re-push ride out a rollout rank that stalled past one write timeout and
         came back (its blocked call returns then) instead of refusing it at once."""
         sessions = {info.session_id for info in self.targets.values()}
-        if settle_s > 0 and any(self.inflight.busy(session) for session in sessions):
+        if any(self.inflight.busy(session) for session in sessions):
             t0 = time.monotonic()
-            still = self.inflight.wait_settled(sessions, settle_s)
+            still = self.inflight.wait_settled(sessions, self.timeout_s)
             logger.warning(
                 "p2p: waited %.1f s for an earlier push's write calls to return before this push: %s",
                 time.monotonic() - t0,
